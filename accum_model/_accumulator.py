@@ -1,0 +1,394 @@
+"""The accumulation engine: float32 gradient sums, a weight sum, a window.
+
+This module knows TensorFlow and `tf.distribute`, and nothing about Keras
+models: `AccumModel` and custom training loops are thin users of
+`GradientAccumulator`.
+
+The state machine, per micro-batch `k` of a window:
+
+    acc      += w_k * g_k        (g_k: gradient of micro-batch k's mean loss)
+    weight   += w_k              (w_k: the normalizer that loss divided by)
+    step     += 1
+    if step == window_steps:     apply acc / weight once, then zero all three
+
+so the applied gradient is `sum_k w_k g_k / sum_k w_k`, the gradient of the
+large batch's loss, whatever the sizes of the micro-batches.
+"""
+
+import numbers
+
+import numpy as np
+import tensorflow as tf
+
+_ON_READ = tf.VariableSynchronization.ON_READ
+_SUM = tf.VariableAggregation.SUM
+_FIRST = tf.VariableAggregation.ONLY_FIRST_REPLICA
+
+
+def validate_accum_steps(accum_steps):
+    """Returns `accum_steps` as a Python int, or raises `ValueError`.
+
+    Args:
+        accum_steps: The value to check. Integers >= 1 (Python or NumPy) are
+            accepted; bools, floats, strings and `None` are not.
+
+    Returns:
+        The value as a Python `int`.
+
+    Raises:
+        ValueError: If `accum_steps` is not an integer >= 1.
+    """
+    is_int = isinstance(accum_steps, numbers.Integral) and not isinstance(
+        accum_steps, (bool, np.bool_)
+    )
+    if not is_int or accum_steps < 1:
+        raise ValueError(
+            "`accum_steps` must be an integer >= 1. "
+            f"Received: accum_steps={accum_steps!r}"
+        )
+    return int(accum_steps)
+
+
+def _in_replica_context_of_strategy():
+    # Inside `strategy.run` a `tf.cond` whose branch all-reduces (the
+    # optimizer's apply does) fails with "merge_call called while defining a
+    # new graph"; such conds must be taken in cross-replica context.
+    return (
+        tf.distribute.has_strategy()
+        and not tf.distribute.in_cross_replica_context()
+    )
+
+
+class GradientAccumulator(tf.Module):
+    """Accumulates gradients over micro-batches and applies their mean.
+
+    The engine behind `AccumModel`, usable on its own in custom training loops
+    with `tf.GradientTape`, eagerly or inside a `tf.function`, with or without
+    `tf.distribute` (create it under `strategy.scope()`; accumulators are
+    per-replica and gradients cross replicas once per applied update).
+
+    Each micro-batch's gradients are added with a weight: the number of samples
+    (or tokens, or the sum of sample weights) its mean loss was divided by.
+    `apply()` hands `sum(weight * grads) / sum(weight)` to the optimizer, once,
+    so a short last micro-batch counts for exactly what it holds and the
+    optimizer's step counter, learning-rate schedule, clipping and weight decay
+    act once per update.
+
+    Example:
+
+    ```python
+    accumulator = GradientAccumulator(model.trainable_variables, accum_steps=4)
+
+    @tf.function
+    def train_step(x, y):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, model(x, training=True))
+        grads = tape.gradient(loss, model.trainable_variables)
+        return accumulator.step(grads, optimizer, weight=tf.shape(x)[0])
+    ```
+
+    Args:
+        variables: List of variables whose gradients are accumulated, in the
+            order `grads` will be given.
+        accum_steps: Int >= 1. Micro-batches per update in `step()`.
+        name: Optional name of the module.
+
+    Raises:
+        ValueError: If `accum_steps` is not an integer >= 1.
+    """
+
+    def __init__(self, variables, accum_steps=1, name=None):
+        accum_steps = validate_accum_steps(accum_steps)
+        variables = list(variables)
+        super().__init__(name=name or "gradient_accumulator")
+        self._variables = variables
+        self._on_apply = []
+        with tf.init_scope(), tf.name_scope(self.name):
+            self._accum_steps = tf.Variable(
+                accum_steps,
+                dtype=tf.int64,
+                trainable=False,
+                name="accum_steps",
+                synchronization=_ON_READ,
+                aggregation=_FIRST,
+            )
+            # The window length is latched when a window opens, so that
+            # changing `accum_steps` mid-window takes effect at the next one.
+            self._window_steps = self._counter("window_steps", accum_steps)
+            self._micro_step = self._counter("micro_step")
+            self._contributed = self._counter("contributed_steps")
+            self._skipped = self._counter("skipped_steps")
+            self._weight_sum = tf.Variable(
+                0.0,
+                dtype=tf.float32,
+                trainable=False,
+                name="weight_sum",
+                synchronization=_ON_READ,
+                aggregation=_SUM,
+            )
+            self._accumulators = [
+                tf.Variable(
+                    tf.zeros(v.shape, tf.float32),
+                    trainable=False,
+                    name="gradient_accumulator",
+                    synchronization=_ON_READ,
+                    aggregation=_SUM,
+                )
+                for v in variables
+            ]
+
+    def _counter(self, name, initial=0):
+        return tf.Variable(
+            initial,
+            dtype=tf.int64,
+            trainable=False,
+            name=name,
+            synchronization=_ON_READ,
+            aggregation=_FIRST,
+        )
+
+    # Read-only views of the state.
+
+    @property
+    def variables_to_update(self):
+        """The variables this accumulator serves, in gradient order."""
+        return list(self._variables)
+
+    @property
+    def accumulators(self):
+        """The float32 accumulators, one per variable (training state)."""
+        return list(self._accumulators)
+
+    @property
+    def state_variables(self):
+        """Every variable of the state, for saving and restoring it."""
+        return [
+            self._micro_step,
+            self._window_steps,
+            self._contributed,
+            self._skipped,
+            self._weight_sum,
+        ] + self._accumulators
+
+    @property
+    def accum_steps(self):
+        """Int. Micro-batches per update; set it to change the next window."""
+        return int(self._accum_steps.numpy())
+
+    @accum_steps.setter
+    def accum_steps(self, value):
+        self._accum_steps.assign(validate_accum_steps(value))
+
+    @property
+    def micro_step(self):
+        """Int64 tensor. Micro-batches seen in the current window."""
+        return self._micro_step.read_value()
+
+    @property
+    def weight_sum(self):
+        """Float32 tensor. Sum of the weights accumulated in this window."""
+        return self._weight_sum.read_value()
+
+    @property
+    def skipped_steps(self):
+        """Int64 tensor. Micro-batches left out for non-finite gradients."""
+        return self._skipped.read_value()
+
+    def add_apply_hook(self, fn):
+        """Registers `fn()` to run inside the branch that applies a window.
+
+        Used for state that must change once per update rather than once per
+        micro-batch (for example pooled BatchNormalization statistics).
+        """
+        self._on_apply.append(fn)
+
+    # The state machine.
+
+    def accumulate(self, grads, weight=1.0, is_finite=None):
+        """Adds one micro-batch's gradients, weighted, to the window.
+
+        Does not apply anything; `step()` does both.
+
+        Args:
+            grads: List of gradients (tensors, `tf.IndexedSlices` or `None`),
+                one per variable, of the micro-batch's *mean* loss.
+            weight: Float scalar. What that mean divided by (its number of
+                samples by default).
+            is_finite: Optional bool scalar tensor. When False the micro-batch
+                is left out (its weight does not count), but it still takes
+                its place in the window.
+        """
+        weight = tf.cast(weight, tf.float32)
+        self._accumulate(grads, weight, weighted=False, is_finite=is_finite)
+
+    def step(self, grads, optimizer, weight=1.0, is_finite=None):
+        """Accumulates `grads` and applies the window when it is full.
+
+        Args:
+            grads: As in `accumulate()`.
+            optimizer: The optimizer to apply the mean with (Keras 3 or
+                tf_keras), called once per window.
+            weight: As in `accumulate()`.
+            is_finite: As in `accumulate()`.
+
+        Returns:
+            A bool scalar tensor: whether this call closed a window.
+        """
+        self.accumulate(grads, weight, is_finite=is_finite)
+        return self.close_window_if_full(_optimizer_apply_fn(optimizer))
+
+    def apply(self, optimizer):
+        """Applies the weighted mean of what was accumulated, then zeroes.
+
+        A no-op when nothing was accumulated since the last apply.
+
+        Args:
+            optimizer: The optimizer to apply the mean with.
+
+        Returns:
+            A bool scalar tensor: whether a window was closed.
+        """
+        return self.close_window_if(
+            self._micro_step > 0, _optimizer_apply_fn(optimizer)
+        )
+
+    def reset(self):
+        """Discards the open window without applying it."""
+        for v in [self._micro_step, self._contributed]:
+            v.assign(tf.zeros_like(v))
+        self._weight_sum.assign(0.0)
+        for acc in self._accumulators:
+            acc.assign(tf.zeros_like(acc))
+
+    # Used by `AccumModel`, which folds the weight into the loss before the
+    # tape: one multiply on a scalar instead of one per gradient element.
+
+    def accumulate_weighted(self, weighted_grads, weight, is_finite=None):
+        """Like `accumulate()`, for gradients already multiplied by `weight`."""
+        weight = tf.cast(weight, tf.float32)
+        self._accumulate(
+            weighted_grads, weight, weighted=True, is_finite=is_finite
+        )
+
+    def close_window_if_full(self, apply_fn):
+        """Closes the window when it holds `window_steps` micro-batches."""
+        return self.close_window_if(
+            self._micro_step >= self._window_steps, apply_fn
+        )
+
+    def close_window_if(self, should_close, apply_fn):
+        """Applies and zeroes the window when `should_close` holds.
+
+        Args:
+            should_close: Bool scalar tensor (equal on every replica).
+            apply_fn: `apply_fn(grads, variables)` applies one update; called
+                in replica context, at most once, inside the taken branch.
+
+        Returns:
+            `should_close`.
+        """
+        # A window whose micro-batches were all left out applies nothing.
+        should_apply = tf.logical_and(should_close, self._contributed > 0)
+        _cond_with_merge(should_apply, lambda: self._apply_mean(apply_fn))
+
+        def zero():
+            for acc in self._accumulators:
+                acc.assign(tf.zeros_like(acc))
+            self._weight_sum.assign(0.0)
+            self._contributed.assign(tf.zeros_like(self._contributed))
+            self._micro_step.assign(tf.zeros_like(self._micro_step))
+            return tf.constant(True)
+
+        tf.cond(should_close, zero, lambda: tf.constant(False))
+        return should_close
+
+    def _apply_mean(self, apply_fn):
+        # In replica context. The weight sum is global: replicas may hold
+        # unequal (even empty) shards of a global batch.
+        weight_sum = self._weight_sum.read_value()
+        if tf.distribute.has_strategy():
+            weight_sum = tf.distribute.get_replica_context().all_reduce(
+                tf.distribute.ReduceOp.SUM, weight_sum
+            )
+        grads = [
+            tf.cast(tf.math.divide_no_nan(acc, weight_sum), v.dtype)
+            for acc, v in zip(self._accumulators, self._variables)
+        ]
+        apply_fn(grads, self._variables)
+        for hook in self._on_apply:
+            hook()
+
+    def _accumulate(self, grads, weight, weighted, is_finite):
+        grads = list(grads)
+        if len(grads) != len(self._accumulators):
+            raise ValueError(
+                "`grads` must hold one gradient per variable of the "
+                f"accumulator ({len(self._accumulators)}). "
+                f"Received: {len(grads)} gradients"
+            )
+        # A window opens on its first micro-batch; latch its length then.
+        opening = tf.equal(self._micro_step, 0)
+        self._window_steps.assign(
+            tf.where(opening, self._accum_steps, self._window_steps)
+        )
+
+        def add():
+            for acc, g in zip(self._accumulators, grads):
+                if g is None:
+                    continue
+                if isinstance(g, tf.IndexedSlices):
+                    values = tf.cast(g.values, tf.float32)
+                    if not weighted:
+                        values = values * weight
+                    acc.scatter_add(tf.IndexedSlices(values, g.indices))
+                else:
+                    g = tf.cast(g, tf.float32)
+                    acc.assign_add(g if weighted else g * weight)
+            self._weight_sum.assign_add(weight)
+            self._contributed.assign_add(1)
+            return tf.constant(True)
+
+        if is_finite is None:
+            add()
+        else:
+
+            def skip():
+                self._skipped.assign_add(1)
+                return tf.constant(False)
+
+            tf.cond(is_finite, add, skip)
+        self._micro_step.assign_add(1)
+
+
+def _cond_with_merge(pred, true_fn):
+    """`tf.cond(pred, true_fn, no-op)`, safe when `true_fn` all-reduces."""
+    if not _in_replica_context_of_strategy():
+
+        def branch():
+            true_fn()
+            return tf.constant(True)
+
+        tf.cond(pred, branch, lambda: tf.constant(False))
+        return
+
+    # The pattern of Keras' LossScaleOptimizer: the condition is taken in
+    # cross-replica context, the branch runs back in each replica.
+    def merge_fn(strategy, pred):
+        flag = strategy.experimental_local_results(pred)[0]
+
+        def branch():
+            strategy.extended.call_for_each_replica(true_fn)
+            return tf.constant(True)
+
+        tf.cond(flag, branch, lambda: tf.constant(False))
+
+    tf.distribute.get_replica_context().merge_call(merge_fn, args=(pred,))
+
+
+def _optimizer_apply_fn(optimizer):
+    from accum_model import _keras
+
+    def apply_fn(grads, variables):
+        _keras.ADAPTER.apply_gradients(optimizer, grads, variables)
+
+    return apply_fn

@@ -1,0 +1,361 @@
+"""`AccumModel`: a `tf.keras.Model` whose `fit` accumulates gradients."""
+
+import inspect
+import warnings
+import weakref
+
+import tensorflow as tf
+
+from accum_model import _keras
+from accum_model import _normalizers
+from accum_model._accumulator import GradientAccumulator
+from accum_model._accumulator import validate_accum_steps
+
+ADAPTER = _keras.ADAPTER
+keras = _keras.keras
+
+EPOCH_END_MODES = ("apply", "carry")
+
+
+def validate_epoch_end(epoch_end):
+    """Returns `epoch_end` if it is a known mode, else raises `ValueError`."""
+    if not isinstance(epoch_end, str) or epoch_end not in EPOCH_END_MODES:
+        raise ValueError(
+            f"`epoch_end` must be one of {EPOCH_END_MODES}. "
+            f"Received: epoch_end={epoch_end!r}"
+        )
+    return epoch_end
+
+
+class AccumModel(keras.Model):
+    """A `tf.keras.Model` that trains as if its batch were `accum_steps` larger.
+
+    `fit` feeds micro-batches of `batch_size` samples; `AccumModel` keeps the
+    sum of their gradients, each weighted by what its mean loss divided by
+    (its number of samples), and once every `accum_steps` micro-batches applies
+    `sum(w_k * g_k) / sum(w_k)` through the compiled optimizer. That is the
+    gradient of the large batch, so training equals plain training with
+    `batch_size * accum_steps`, with the memory of `batch_size`.
+    `optimizer.iterations` counts applied updates, so learning-rate schedules,
+    weight decay, EMA and clipping act once per update.
+
+    Everything runs inside the one `train_function` that `fit` compiles: no
+    retrace per window, per epoch or when `accum_steps` changes.
+
+    Example:
+
+    ```python
+    class Net(AccumModel):
+        def __init__(self):
+            super().__init__(accum_steps=8)
+            self.dense = tf.keras.layers.Dense(10)
+
+        def call(self, x):
+            return self.dense(x)
+
+    # or functionally
+    model = AccumModel(inputs=inputs, outputs=outputs, accum_steps=8)
+    model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+    model.fit(x, y, batch_size=16, epochs=3)   # updates of 128 samples
+    ```
+
+    Args:
+        *args: Passed to `tf.keras.Model` (e.g. `inputs`, `outputs`).
+        accum_steps: Int >= 1. Micro-batches per optimizer update; 1 is plain
+            training. Also a read/write property: a new value takes effect when
+            the next window opens, without retracing.
+        epoch_end: `"apply"` (default) applies a partly filled window at the end
+            of every epoch, before validation and the `on_epoch_end`
+            callbacks, so they see the epoch's final weights. `"carry"` keeps
+            the window open into the next epoch (Keras' built-in behaviour).
+        **kwargs: Passed to `tf.keras.Model` (e.g. `name`).
+
+    Raises:
+        ValueError: If `accum_steps` is not an integer >= 1, if `epoch_end` is
+            not a known mode, or if Keras does not run on TensorFlow.
+    """
+
+    def __init__(self, *args, accum_steps=1, epoch_end="apply", **kwargs):
+        ADAPTER.check_backend()
+        accum_steps = validate_accum_steps(accum_steps)
+        epoch_end = validate_epoch_end(epoch_end)
+        if ADAPTER.is_functional_call(args, kwargs):
+            self.__class__ = ADAPTER.functional_variant(type(self))
+            ADAPTER.init_functional(self, args, kwargs)
+        else:
+            self.__class__ = ADAPTER.non_functional_base(type(self))
+            super().__init__(*args, **kwargs)
+        self._accum_steps = accum_steps
+        self._epoch_end = epoch_end
+        self._accumulation = _AccumulationState(self)
+        self._flush_function = None
+
+    # Configuration
+
+    @property
+    def accum_steps(self):
+        """Int. Micro-batches per optimizer update."""
+        return self._accum_steps
+
+    @accum_steps.setter
+    def accum_steps(self, value):
+        value = validate_accum_steps(value)
+        self._accum_steps = value
+        engine = self._accumulation.engine
+        if engine is not None:
+            engine.accum_steps = value
+
+    @property
+    def epoch_end(self):
+        """Str. What happens to a partly filled window when an epoch ends."""
+        return self._epoch_end
+
+    @epoch_end.setter
+    def epoch_end(self, value):
+        self._epoch_end = validate_epoch_end(value)
+
+    @property
+    def gradient_accumulator(self):
+        """The `GradientAccumulator` holding the window (None before fit)."""
+        return self._accumulation.engine
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(accum_steps=self.accum_steps, epoch_end=self.epoch_end)
+        return config
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        config = dict(config)
+        accum_steps = config.pop("accum_steps", None)
+        epoch_end = config.pop("epoch_end", None)
+        model = super().from_config(config, custom_objects=custom_objects)
+        if accum_steps is not None:
+            model.accum_steps = accum_steps
+        if epoch_end is not None:
+            model.epoch_end = epoch_end
+        return model
+
+    # The hook for custom losses
+
+    def compute_loss_normalizer(self, x, y, y_pred, sample_weight):
+        """Returns what this micro-batch's loss was divided by.
+
+        Micro-batch `k`'s gradient enters the window with this weight `w_k`,
+        and an update applies `sum(w_k * g_k) / sum(w_k)`. The default is the
+        number of samples, which is what Keras' default loss reduction divides
+        by. Override it when `compute_loss` divides by something else (tokens,
+        a sum of weights) to keep training equal to the large batch.
+
+        Args:
+            x: Input data of the micro-batch.
+            y: Target data.
+            y_pred: The model's predictions.
+            sample_weight: Sample weights, or None.
+
+        Returns:
+            A float32 scalar tensor.
+        """
+        del y_pred, sample_weight  # The default reduction ignores them.
+        return _normalizers.batch_size(x, y)
+
+    # Training
+
+    def train_step(self, data):
+        x, y, sample_weight = ADAPTER.unpack(data)
+
+        # Forward pass
+        with tf.GradientTape() as tape:
+            y_pred = ADAPTER.forward(self, x)
+            loss = ADAPTER.compute_loss(self, x, y, y_pred, sample_weight)
+            ADAPTER.track_loss(self, loss, _normalizers.batch_size(x, y))
+            weight = tf.stop_gradient(
+                tf.cast(
+                    self.compute_loss_normalizer(x, y, y_pred, sample_weight),
+                    tf.float32,
+                )
+            )
+            # The weight goes into the loss before the tape: one scalar
+            # multiply instead of one per gradient element.
+            objective = ADAPTER.unscale_loss_for_distribution(loss) * tf.cast(
+                weight, loss.dtype
+            )
+
+        # Compute gradients, accumulate, apply once the window is full
+        # (the forward pass has built a lazily built model by now).
+        engine = self._accumulation.build()
+        if engine.variables_to_update:
+            grads = tape.gradient(objective, engine.variables_to_update)
+            engine.accumulate_weighted(grads, weight)
+            engine.close_window_if_full(self._apply_gradients)
+        else:
+            warnings.warn("The model does not have any trainable weights.")
+
+        return ADAPTER.compute_metrics(self, x, y, y_pred, sample_weight)
+
+    def _apply_gradients(self, grads, variables):
+        ADAPTER.apply_gradients(self.optimizer, grads, variables)
+
+    def make_train_function(self, force=False):
+        # Keras has built the model and the optimizer by now (fit's symbolic
+        # build); create the accumulators here so that the train step never
+        # creates variables and traces no more often than plain fit's.
+        if all(layer.built for layer in self._flatten_layers()):
+            self._accumulation.build()
+        self._flush_function = None
+        return super().make_train_function(force=force)
+
+    def apply_accumulated(self):
+        """Applies a pending, partly filled window now (no-op when empty).
+
+        Returns:
+            Bool: whether an update was applied.
+        """
+        engine = self._accumulation.engine
+        if engine is None:
+            return False
+        if self._flush_function is None:
+            self._flush_function = self._make_flush_function(engine)
+        return bool(self._flush_function())
+
+    def _make_flush_function(self, engine):
+        strategy = self.distribute_strategy
+
+        def flush():
+            return engine.close_window_if(
+                engine.micro_step > 0, self._apply_gradients
+            )
+
+        def run():
+            return strategy.experimental_local_results(strategy.run(flush))[0]
+
+        if self.run_eagerly:
+            return run
+        return tf.function(run)
+
+    def fit(self, *args, **kwargs):
+        bound = inspect.signature(keras.Model.fit).bind(self, *args, **kwargs)
+        callbacks = bound.arguments.get("callbacks")
+        flush = _EpochEndFlush()
+        if isinstance(callbacks, keras.callbacks.CallbackList):
+            flush.set_model(self)
+            callbacks.callbacks.insert(0, flush)
+        else:
+            # First in the list, so later callbacks see the final weights.
+            bound.arguments["callbacks"] = [flush] + list(callbacks or [])
+        return super().fit(*bound.args[1:], **bound.kwargs)
+
+
+AccumModel = ADAPTER.register_serializable(AccumModel)
+
+
+class _EpochEndFlush(ADAPTER.callback_base):
+    """Applies a partial window at the end of each epoch (`epoch_end="apply"`).
+
+    Validation in `fit` runs `evaluate` with fit's own callback list, so
+    `on_test_begin` is the moment just before validation; `on_epoch_end`
+    covers epochs without validation. The second call finds nothing pending.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self._in_fit = False
+
+    def on_train_begin(self, logs=None):
+        self._in_fit = True
+
+    def on_train_end(self, logs=None):
+        self._in_fit = False
+
+    def on_test_begin(self, logs=None):
+        if self._in_fit:
+            self._flush()
+
+    def on_epoch_end(self, epoch, logs=None):
+        self._flush()
+
+    def _flush(self):
+        if self.model.epoch_end == "apply":
+            self.model.apply_accumulated()
+
+
+class _AccumulationState(ADAPTER.saveable_base):
+    """Holds the engine of an `AccumModel`: training state, not weights.
+
+    Keras' saving visits this object (it is a saveable attribute of the model)
+    and stores what `save_own_variables` writes, so `.keras` and `.weights.h5`
+    files, `ModelCheckpoint` and `BackupAndRestore` keep an open window. Its
+    variables are plain `tf.Variable`s, which Keras does not count as model
+    weights, and a plain `tf.keras.Model` loading the file never visits it.
+    """
+
+    def __init__(self, model):
+        self._model_ref = weakref.ref(model)
+        self.engine = None
+
+    def _obj_type(self):
+        return ADAPTER.saveable_obj_type
+
+    def build(self):
+        """Creates the engine for the model's trainable variables, once.
+
+        Runs eagerly (lifted out of any `tf.function` being traced), like
+        Keras' own optimizer building, so it may be called from the first
+        trace of the train step.
+        """
+        model = self._model_ref()
+        variables = list(model.trainable_variables)
+        if self.engine is not None and _same_variables(
+            self.engine.variables_to_update, variables
+        ):
+            return self.engine
+        with tf.init_scope():
+            if self.engine is not None and int(self.engine.micro_step) > 0:
+                warnings.warn(
+                    "The trainable variables of the model changed while a "
+                    "window of accumulated gradients was open; that window "
+                    "is discarded.",
+                    stacklevel=3,
+                )
+            with model.distribute_strategy.scope():
+                engine = GradientAccumulator(
+                    variables,
+                    accum_steps=model.accum_steps,
+                    name="accumulation",
+                )
+                if model.optimizer is not None and variables:
+                    ADAPTER.build_optimizer(model.optimizer, variables)
+        for layer in model._flatten_layers(include_self=False):
+            attach = getattr(layer, "attach_to_accumulator", None)
+            if callable(attach):
+                attach(engine)
+        self.engine = engine
+        model._flush_function = None
+        return engine
+
+    def save_own_variables(self, store):
+        if self.engine is None:
+            return
+        for i, v in enumerate(self.engine.state_variables):
+            store[str(i)] = v.numpy()
+
+    def load_own_variables(self, store):
+        keys = list(store.keys())
+        if not keys:
+            # Saved by a plain model, or before any training: no open window.
+            if self.engine is not None:
+                self.engine.reset()
+            return
+        engine = self.build()
+        state = engine.state_variables
+        if len(keys) != len(state):
+            raise ValueError(
+                "The saved accumulation state does not match this model: "
+                f"expected {len(state)} variables, received {len(keys)}."
+            )
+        for i, v in enumerate(state):
+            v.assign(store[str(i)])
+
+
+def _same_variables(a, b):
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b))

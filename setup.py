@@ -1,0 +1,5 @@
+"""Metadata lives in setup.cfg."""
+
+import setuptools
+
+setuptools.setup()
