@@ -103,6 +103,10 @@ class GradientAccumulator(tf.Module):
         super().__init__(name=name or "gradient_accumulator")
         self._variables = variables
         self._on_apply = []
+        # Which variables ever received a gradient, known at trace time: the
+        # others get `None` at apply, as plain training gives them (so the
+        # optimizer neither decays nor counts them, and warns as Keras does).
+        self._received = [False] * len(variables)
         with tf.init_scope(), tf.name_scope(self.name):
             self._accum_steps = tf.Variable(
                 accum_steps,
@@ -312,7 +316,11 @@ class GradientAccumulator(tf.Module):
             )
         grads = [
             tf.cast(tf.math.divide_no_nan(acc, weight_sum), v.dtype)
-            for acc, v in zip(self._accumulators, self._variables)
+            if received
+            else None
+            for acc, v, received in zip(
+                self._accumulators, self._variables, self._received
+            )
         ]
         apply_fn(grads, self._variables)
         for hook in self._on_apply:
@@ -331,6 +339,10 @@ class GradientAccumulator(tf.Module):
         self._window_steps.assign(
             tf.where(opening, self._accum_steps, self._window_steps)
         )
+
+        for i, g in enumerate(grads):
+            if g is not None:
+                self._received[i] = True
 
         def add():
             for acc, g in zip(self._accumulators, grads):

@@ -1,0 +1,127 @@
+"""Small models, data and recorders shared by the tests.
+
+The ground truth of every equivalence test is plain `keras.Model` training
+with the large batch, started from the same weights.
+"""
+
+import numpy as np
+import tensorflow as tf
+
+from accum_model._keras import keras
+
+OPTIMIZERS = {
+    "sgd": lambda **kw: keras.optimizers.SGD(learning_rate=0.1, **kw),
+    "momentum": lambda **kw: keras.optimizers.SGD(
+        learning_rate=0.05, momentum=0.9, nesterov=True, **kw
+    ),
+    "adam": lambda **kw: keras.optimizers.Adam(learning_rate=0.01, **kw),
+    "adamw": lambda **kw: keras.optimizers.AdamW(
+        learning_rate=0.01, weight_decay=0.1, **kw
+    ),
+}
+
+
+def regression_data(n, in_dim=4, out_dim=3, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, in_dim)).astype("float32")
+    w = rng.normal(size=(in_dim, out_dim)).astype("float32")
+    y = (np.tanh(x @ w) + 0.1 * rng.normal(size=(n, out_dim))).astype(
+        "float32"
+    )
+    return x, y
+
+
+def classification_data(n, in_dim=4, classes=3, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, in_dim)).astype("float32")
+    y = rng.integers(0, classes, size=(n,)).astype("int32")
+    return x, y
+
+
+def mlp(cls, in_dim=4, out_dim=3, hidden=5, seed=0, **kwargs):
+    """A two-layer functional MLP of class `cls` with seeded weights."""
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((in_dim,))
+    h = keras.layers.Dense(hidden, activation="tanh")(inputs)
+    outputs = keras.layers.Dense(out_dim)(h)
+    return cls(inputs=inputs, outputs=outputs, **kwargs)
+
+
+def copy_weights(source, target):
+    target.set_weights(source.get_weights())
+    return target
+
+
+class UpdateRecorder(keras.callbacks.Callback):
+    """Records the model's weights after every optimizer update."""
+
+    def __init__(self):
+        super().__init__()
+        self.weights = []
+        self._last = None
+
+    def _record_if_updated(self):
+        iterations = int(self.model.optimizer.iterations.numpy())
+        if iterations != self._last:
+            self._last = iterations
+            self.weights.append(
+                [np.array(w) for w in self.model.get_weights()]
+            )
+
+    def on_train_begin(self, logs=None):
+        self._last = int(self.model.optimizer.iterations.numpy())
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._record_if_updated()
+
+    def on_epoch_end(self, epoch, logs=None):
+        self._record_if_updated()
+
+
+def max_abs_diff(a, b):
+    """Largest absolute difference between two lists of arrays."""
+    if len(a) != len(b):
+        raise AssertionError(f"{len(a)} arrays vs {len(b)}")
+    return max(
+        float(np.max(np.abs(np.asarray(x) - np.asarray(y))))
+        if np.size(x)
+        else 0.0
+        for x, y in zip(a, b)
+    )
+
+
+def assert_same_trajectory(test, expected, actual, atol=1e-5):
+    """Weights after every update agree, update by update."""
+    test.assertEqual(len(expected), len(actual), "number of updates")
+    for i, (e, a) in enumerate(zip(expected, actual)):
+        diff = max_abs_diff(e, a)
+        test.assertLessEqual(diff, atol, f"update {i}: max |diff| {diff}")
+
+
+def trajectory_diff(expected, actual):
+    return max(max_abs_diff(e, a) for e, a in zip(expected, actual))
+
+
+def train(model, x, y, batch_size, epochs=1, optimizer="sgd", loss="mse",
+          compile_kwargs=None, **fit_kwargs):
+    """Compiles and fits `model`, returning (history, per-update weights)."""
+    if isinstance(optimizer, str):
+        optimizer = OPTIMIZERS[optimizer]()
+    model.compile(optimizer=optimizer, loss=loss, **(compile_kwargs or {}))
+    recorder = UpdateRecorder()
+    callbacks = [recorder] + list(fit_kwargs.pop("callbacks", []))
+    history = model.fit(
+        x,
+        y,
+        batch_size=batch_size,
+        epochs=epochs,
+        shuffle=False,
+        verbose=0,
+        callbacks=callbacks,
+        **fit_kwargs,
+    )
+    return history, recorder.weights
+
+
+def as_dataset(x, y, batch_size):
+    return tf.data.Dataset.from_tensor_slices((x, y)).batch(batch_size)
