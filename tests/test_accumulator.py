@@ -1,0 +1,184 @@
+"""GradientAccumulator, the engine, in custom training loops."""
+
+import re
+
+import numpy as np
+import tensorflow as tf
+from absl.testing import parameterized
+
+from accum_model import GradientAccumulator
+from accum_model._keras import keras
+from tests import testing_utils as tu
+
+
+def _sgd(lr=1.0):
+    return keras.optimizers.SGD(learning_rate=lr)
+
+
+class HandComputedTest(tf.test.TestCase, parameterized.TestCase):
+    def test_mean_of_four_micro_batches(self):
+        # grads 1, 2, 3, 4 -> one update by their mean, 2.5.
+        v = tf.Variable([0.0])
+        acc = GradientAccumulator([v], accum_steps=4)
+        opt = _sgd()
+        applied = [
+            bool(acc.step([tf.constant([g])], opt)) for g in (1.0, 2.0, 3.0, 4.0)
+        ]
+        self.assertEqual(applied, [False, False, False, True])
+        self.assertAllClose(v, [-2.5])
+        self.assertEqual(int(opt.iterations), 1)
+        self.assertEqual(int(acc.micro_step), 0)
+        self.assertAllClose(acc.accumulators[0], [0.0])
+
+    def test_weighted_mean(self):
+        # A micro-batch of 4 samples with mean gradient 1 and one of 2
+        # samples with mean gradient 4: the 6-sample mean is (4 + 8) / 6 = 2,
+        # not the mean of means 2.5.
+        v = tf.Variable([0.0])
+        acc = GradientAccumulator([v], accum_steps=2)
+        opt = _sgd()
+        acc.step([tf.constant([1.0])], opt, weight=4)
+        acc.step([tf.constant([4.0])], opt, weight=2)
+        self.assertAllClose(v, [-2.0])
+
+    def test_apply_flushes_a_partial_window_and_is_noop_when_empty(self):
+        v = tf.Variable([0.0])
+        acc = GradientAccumulator([v], accum_steps=4)
+        opt = _sgd()
+        acc.accumulate([tf.constant([3.0])], weight=1)
+        acc.accumulate([tf.constant([6.0])], weight=2)
+        self.assertTrue(bool(acc.apply(opt)))
+        self.assertAllClose(v, [-5.0])
+        self.assertFalse(bool(acc.apply(opt)))
+        self.assertEqual(int(opt.iterations), 1)
+
+    def test_indexed_slices_sum_repeated_rows(self):
+        table = tf.Variable(tf.zeros((4, 2)))
+        acc = GradientAccumulator([table], accum_steps=2)
+        opt = _sgd()
+        g1 = tf.IndexedSlices(tf.ones((3, 2)), tf.constant([0, 2, 0]))
+        g2 = tf.IndexedSlices(tf.fill((1, 2), 4.0), tf.constant([3]))
+        acc.step([g1], opt)
+        acc.step([g2], opt)
+        # Dense sums: row 0 twice, rows 2 and 3 once; mean over 2 steps.
+        self.assertAllClose(
+            table, -np.array([[1, 1], [0, 0], [0.5, 0.5], [2, 2]])
+        )
+
+    def test_none_gradient_leaves_variable_alone(self):
+        a, b = tf.Variable([1.0]), tf.Variable([1.0])
+        acc = GradientAccumulator([a, b], accum_steps=1)
+        acc.step([tf.constant([1.0]), None], _sgd())
+        self.assertAllClose(a, [0.0])
+        self.assertAllClose(b, [1.0])
+
+    def test_non_finite_micro_batch_left_out_window_on_schedule(self):
+        v = tf.Variable([0.0])
+        acc = GradientAccumulator([v], accum_steps=3)
+        opt = _sgd()
+        results = [
+            bool(acc.step([tf.constant([g])], opt, weight=1,
+                          is_finite=tf.constant(np.isfinite(g))))
+            for g in (2.0, np.inf, 4.0)
+        ]
+        self.assertEqual(results, [False, False, True])
+        self.assertAllClose(v, [-3.0])  # mean of the finite two
+        self.assertEqual(int(acc.skipped_steps), 1)
+        # A window of nothing but skipped micro-batches applies nothing.
+        for _ in range(3):
+            acc.step([tf.constant([np.nan])], opt, is_finite=tf.constant(False))
+        self.assertAllClose(v, [-3.0])
+        self.assertEqual(int(opt.iterations), 1)
+        self.assertEqual(int(acc.micro_step), 0)
+
+    def test_accum_steps_change_latches_at_next_window(self):
+        v = tf.Variable([0.0])
+        acc = GradientAccumulator([v], accum_steps=2)
+        opt = _sgd()
+        acc.step([tf.constant([1.0])], opt)
+        acc.accum_steps = 3  # the open window still closes after 2
+        self.assertTrue(bool(acc.step([tf.constant([1.0])], opt)))
+        closed = [bool(acc.step([tf.constant([1.0])], opt)) for _ in range(3)]
+        self.assertEqual(closed, [False, False, True])
+
+    def test_reset_discards_the_window(self):
+        v = tf.Variable([0.0])
+        acc = GradientAccumulator([v], accum_steps=2)
+        acc.accumulate([tf.constant([5.0])])
+        acc.reset()
+        acc.step([tf.constant([1.0])], _sgd())
+        acc.step([tf.constant([1.0])], _sgd())
+        self.assertAllClose(v, [-1.0])
+
+    def test_checkpoint_keeps_an_open_window(self):
+        v = tf.Variable([0.0])
+        acc = GradientAccumulator([v], accum_steps=2)
+        acc.accumulate([tf.constant([4.0])])
+        path = tf.train.Checkpoint(acc=acc).save(self.get_temp_dir() + "/c")
+        fresh = GradientAccumulator([v], accum_steps=2)
+        tf.train.Checkpoint(acc=fresh).restore(path).assert_consumed()
+        fresh.step([tf.constant([2.0])], _sgd())
+        self.assertAllClose(v, [-3.0])
+
+
+class CustomLoopTest(tf.test.TestCase, parameterized.TestCase):
+    @parameterized.named_parameters(
+        ("sgd_eager", "sgd", False),
+        ("adam_function", "adam", True),
+        ("adamw_function", "adamw", True),
+    )
+    def test_custom_loop_equals_large_batch(self, optimizer, compiled):
+        x, y = tu.regression_data(22)
+        reference = tu.mlp(keras.Model)
+        model = tu.copy_weights(reference, tu.mlp(keras.Model))
+        reference.compile(tu.OPTIMIZERS[optimizer](), "mse")
+        expected = []
+        for start in range(0, 22, 8):
+            reference.train_on_batch(x[start:start + 8], y[start:start + 8])
+            expected.append(reference.get_weights())
+
+        opt = tu.OPTIMIZERS[optimizer]()
+        acc = GradientAccumulator(model.trainable_variables, accum_steps=4)
+
+        def train_step(xb, yb):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean(tf.square(model(xb, training=True) - yb))
+            grads = tape.gradient(loss, model.trainable_variables)
+            return acc.step(grads, opt, weight=tf.shape(xb)[0])
+
+        if compiled:
+            train_step = tf.function(train_step)
+        actual = []
+        for start in range(0, 22, 2):
+            if bool(train_step(x[start:start + 2], y[start:start + 2])):
+                actual.append(model.get_weights())
+        if bool(acc.apply(opt)):  # the short last window
+            actual.append(model.get_weights())
+        tu.assert_same_trajectory(self, expected, actual)
+
+
+class ValidationTest(tf.test.TestCase, parameterized.TestCase):
+    @parameterized.named_parameters(
+        ("zero", 0), ("negative", -3), ("float", 1.0), ("bool", False),
+        ("none", None),
+    )
+    def test_bad_accum_steps(self, value):
+        v = tf.Variable([0.0])
+        with self.assertRaisesRegex(
+            ValueError, re.escape(f"Received: accum_steps={value!r}")
+        ):
+            GradientAccumulator([v], accum_steps=value)
+        acc = GradientAccumulator([v], accum_steps=2)
+        with self.assertRaises(ValueError):
+            acc.accum_steps = value
+        self.assertEqual(acc.accum_steps, 2)
+
+    def test_wrong_number_of_gradients(self):
+        acc = GradientAccumulator([tf.Variable([0.0])], accum_steps=2)
+        with self.assertRaisesRegex(ValueError, "Received: 2 gradients"):
+            acc.accumulate([tf.constant([1.0]), tf.constant([1.0])])
+        self.assertEqual(int(acc.micro_step), 0)
+
+
+if __name__ == "__main__":
+    tf.test.main()
