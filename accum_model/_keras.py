@@ -12,15 +12,31 @@ import tensorflow as tf
 
 # `tf.keras` is the Keras that TensorFlow was told to use; its full package
 # (`keras` or `tf_keras`) has the parts `tf.keras` leaves out (`saving`).
-keras = tf.keras
-if keras.__version__.startswith("2."):
-    import tf_keras as keras  # noqa: F811
+LEGACY = tf.keras.Model.__module__.startswith("tf_keras")
+if LEGACY:
+    import tf_keras as keras
 else:
-    import keras  # noqa: F811
+    import keras
+
+
+if LEGACY:
+
+    class _TfKerasSaveable(keras.losses.Loss):
+        """A base that tf_keras' saving visits (see `_TfKerasAdapter`)."""
+
+        def __init__(self):
+            super().__init__(name="accumulation_state")
+
+        def call(self, y_true, y_pred):
+            raise NotImplementedError("Holds training state; not a loss.")
 
 
 class _Keras3Adapter:
-    """Keras 3 (the `keras` package) on the TensorFlow backend."""
+    """Keras 3 (the `keras` package) on the TensorFlow backend.
+
+    Also the common interface: `_TfKerasAdapter` overrides what Keras 2
+    does differently.
+    """
 
     generation = 3
 
@@ -86,6 +102,9 @@ class _Keras3Adapter:
         """Undoes `functional_variant` for a subclass-style construction."""
         return cls.__dict__.get("_accum_non_functional_base", cls)
 
+    def functional_config(self, model):
+        return self.functional_class.get_config(model)
+
     def init_functional(self, model, args, kwargs):
         # What `keras.Model.__init__` does for functional arguments, minus the
         # class rewrite (the instance is already of a Functional subclass).
@@ -146,6 +165,9 @@ class _Keras3Adapter:
 
     # Serialization and callbacks
 
+    def track_state(self, model, engine):
+        del model, engine  # Keras 3 saves it through `_AccumulationState`.
+
     def register_serializable(self, cls):
         return keras.saving.register_keras_serializable(
             package="accum_model"
@@ -154,18 +176,80 @@ class _Keras3Adapter:
     callback_base = keras.callbacks.Callback
 
 
+class _TfKerasAdapter(_Keras3Adapter):
+    """Keras 2 (`tf_keras`), what `tf.keras` is under TF_USE_LEGACY_KERAS=1."""
+
+    generation = 2
+
+    def __init__(self):
+        from tf_keras.src.engine import functional
+        from tf_keras.src.engine import training
+        from tf_keras.src.saving import object_registration
+
+        self.functional_class = functional.Functional
+        self._functional_init_arguments = (
+            training.is_functional_model_init_params
+        )
+        # tf_keras' saving visits only Layers, Optimizers, Metrics and Losses
+        # among a model's attributes; a Loss is the one of those that Keras
+        # neither counts as weights nor reports as a metric.
+        self.saveable_base = _TfKerasSaveable
+        self.saveable_obj_type = None
+        self._registered_names = object_registration._GLOBAL_CUSTOM_NAMES
+        self._variants = {}
+
+    def check_backend(self):
+        pass  # tf_keras runs on TensorFlow only.
+
+    def functional_config(self, model):
+        # tf_keras writes a graph config only for classes whose `__init__`
+        # has Functional's exact signature; ours adds keyword arguments.
+        from tf_keras.src.engine import functional
+
+        config = {"name": model.name, "trainable": model.trainable}
+        return functional.get_network_config(model, config=config)
+
+    def init_functional(self, model, args, kwargs):
+        # tf_keras' Functional.__init__ runs Model.__init__ itself.
+        self.functional_class.__init__(model, *args, **kwargs)
+
+    def compute_loss(self, model, x, y, y_pred, sample_weight):
+        loss = model.compute_loss(x, y, y_pred, sample_weight)
+        model._validate_target_and_loss(y, loss)
+        return loss
+
+    def forward(self, model, x):
+        return model(x, training=True)
+
+    def track_loss(self, model, loss, batch_size):
+        del model, loss, batch_size  # tf_keras' compiled loss tracks itself.
+
+    def is_loss_scale_optimizer(self, optimizer):
+        return isinstance(optimizer, keras.mixed_precision.LossScaleOptimizer)
+
+    def track_state(self, model, engine):
+        # tf_keras' BackupAndRestore and `save_weights` in TF format write
+        # `tf.train.Checkpoint`s of the model. A checkpoint dependency added
+        # this way is saved and restored (also when created after a restore
+        # began) but, unlike an attribute, is not counted among the weights.
+        model._track_trackable(engine, name="accumulation", overwrite=True)
+
+    def build_optimizer(self, optimizer, variables):
+        if not getattr(optimizer, "_built", True):
+            optimizer.build(variables)
+
+    def apply_gradients(self, optimizer, grads, variables):
+        self.inner_optimizer(optimizer).apply_gradients(
+            [(g, v) for g, v in zip(grads, variables) if g is not None]
+        )
+
+
 def _num_replicas():
     return tf.distribute.get_strategy().num_replicas_in_sync
 
 
 def _select_adapter():
-    version = getattr(keras, "__version__", "3")
-    if version.startswith("2."):
-        raise ImportError(
-            "accum_model supports Keras 3 (`tf.keras` on TensorFlow >= 2.16). "
-            f"Received: tf.keras version {version}."
-        )
-    return _Keras3Adapter()
+    return _TfKerasAdapter() if LEGACY else _Keras3Adapter()
 
 
 ADAPTER = _select_adapter()

@@ -120,7 +120,10 @@ class AccumModel(keras.Model):
         return self._accumulation.engine
 
     def get_config(self):
-        config = super().get_config()
+        if isinstance(self, ADAPTER.functional_class):
+            config = ADAPTER.functional_config(self)
+        else:
+            config = super().get_config()
         config.update(accum_steps=self.accum_steps, epoch_end=self.epoch_end)
         return config
 
@@ -290,6 +293,7 @@ class _AccumulationState(ADAPTER.saveable_base):
     """
 
     def __init__(self, model):
+        super().__init__()
         self._model_ref = weakref.ref(model)
         self.engine = None
 
@@ -330,6 +334,7 @@ class _AccumulationState(ADAPTER.saveable_base):
             if callable(attach):
                 attach(engine)
         self.engine = engine
+        ADAPTER.track_state(model, engine)
         model._flush_function = None
         return engine
 

@@ -7,7 +7,11 @@ with the large batch, started from the same weights.
 import numpy as np
 import tensorflow as tf
 
+from accum_model._keras import LEGACY
 from accum_model._keras import keras
+
+# Keras 3's optimizers have `gradient_accumulation_steps`; tf_keras' do not.
+HAS_BUILTIN_ACCUMULATION = not LEGACY
 
 OPTIMIZERS = {
     "sgd": lambda **kw: keras.optimizers.SGD(learning_rate=0.1, **kw),
