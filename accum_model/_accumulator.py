@@ -9,7 +9,9 @@ The state machine, per micro-batch `k` of a window:
     acc      += w_k * g_k        (g_k: gradient of micro-batch k's mean loss)
     weight   += w_k              (w_k: the normalizer that loss divided by)
     step     += 1
-    if step == window_steps:     apply acc / weight once, then zero all three
+    if step == window_steps:     apply acc / weight once, then zero weight and
+                                 step (the next window's first micro-batch
+                                 overwrites acc instead of adding to it)
 
 so the applied gradient is `sum_k w_k g_k / sum_k w_k`, the gradient of the
 large batch's loss, whatever the sizes of the micro-batches.
@@ -160,7 +162,11 @@ class GradientAccumulator(tf.Module):
 
     @property
     def accumulators(self):
-        """The float32 accumulators, one per variable (training state)."""
+        """The float32 accumulators, one per variable (training state).
+
+        They hold the open window's weighted sums; between windows they hold
+        the last window's, which the next contribution overwrites.
+        """
         return list(self._accumulators)
 
     @property
@@ -261,8 +267,6 @@ class GradientAccumulator(tf.Module):
         for v in [self._micro_step, self._contributed]:
             v.assign(tf.zeros_like(v))
         self._weight_sum.assign(0.0)
-        for acc in self._accumulators:
-            acc.assign(tf.zeros_like(acc))
 
     # Used by `AccumModel`, which folds the weight into the loss before the
     # tape: one multiply on a scalar instead of one per gradient element.
@@ -294,16 +298,14 @@ class GradientAccumulator(tf.Module):
         # A window whose micro-batches were all left out applies nothing.
         should_apply = tf.logical_and(should_close, self._contributed > 0)
         _cond_with_merge(should_apply, lambda: self._apply_mean(apply_fn))
-
-        def zero():
-            for acc in self._accumulators:
-                acc.assign(tf.zeros_like(acc))
-            self._weight_sum.assign(0.0)
-            self._contributed.assign(tf.zeros_like(self._contributed))
-            self._micro_step.assign(tf.zeros_like(self._micro_step))
-            return tf.constant(True)
-
-        tf.cond(should_close, zero, lambda: tf.constant(False))
+        # No pass over the accumulators here: the next window's first
+        # contribution overwrites them (see `_accumulate`).
+        for counter in (self._micro_step, self._contributed):
+            counter.assign(tf.where(should_close, tf.zeros_like(counter),
+                                    counter))
+        self._weight_sum.assign(
+            tf.where(should_close, 0.0, self._weight_sum)
+        )
         return should_close
 
     def _apply_mean(self, apply_fn):
@@ -314,8 +316,11 @@ class GradientAccumulator(tf.Module):
             weight_sum = tf.distribute.get_replica_context().all_reduce(
                 tf.distribute.ReduceOp.SUM, weight_sum
             )
+        # One multiply per element; a zero weight sum (all samples weighted
+        # 0) gives a zero gradient, as the large batch's zero loss would.
+        inverse = tf.math.divide_no_nan(1.0, weight_sum)
         grads = [
-            tf.cast(tf.math.divide_no_nan(acc, weight_sum), v.dtype)
+            tf.cast(acc * inverse, v.dtype)
             if received
             else None
             for acc, v, received in zip(
@@ -344,18 +349,39 @@ class GradientAccumulator(tf.Module):
             if g is not None:
                 self._received[i] = True
 
+        # The window's first contribution overwrites what the last window
+        # left: one pass per micro-batch and none to zero the accumulators.
+        # One `tf.cond` for all variables keeps it one op per step.
+        first = tf.equal(self._contributed, 0)
+        dense, sparse, absent = [], [], []
+        for acc, g in zip(self._accumulators, grads):
+            if g is None:
+                absent.append(acc)
+            elif isinstance(g, tf.IndexedSlices):
+                values = tf.cast(g.values, tf.float32)
+                if not weighted:
+                    values = values * weight
+                sparse.append((acc, tf.IndexedSlices(values, g.indices)))
+            else:
+                g = tf.cast(g, tf.float32)
+                dense.append((acc, g if weighted else g * weight))
+
+        def overwrite():
+            for acc, g in dense:
+                acc.assign(g)
+            for acc in absent + [acc for acc, _ in sparse]:
+                acc.assign(tf.zeros_like(acc))
+            return tf.constant(True)
+
+        def add_to():
+            for acc, g in dense:
+                acc.assign_add(g)
+            return tf.constant(True)
+
         def add():
-            for acc, g in zip(self._accumulators, grads):
-                if g is None:
-                    continue
-                if isinstance(g, tf.IndexedSlices):
-                    values = tf.cast(g.values, tf.float32)
-                    if not weighted:
-                        values = values * weight
-                    acc.scatter_add(tf.IndexedSlices(values, g.indices))
-                else:
-                    g = tf.cast(g, tf.float32)
-                    acc.assign_add(g if weighted else g * weight)
+            tf.cond(first, overwrite, add_to)
+            for acc, g in sparse:
+                acc.scatter_add(g)
             self._weight_sum.assign_add(weight)
             self._contributed.assign_add(1)
             return tf.constant(True)

@@ -28,7 +28,10 @@ class HandComputedTest(tf.test.TestCase, parameterized.TestCase):
         self.assertAllClose(v, [-2.5])
         self.assertEqual(int(opt.iterations), 1)
         self.assertEqual(int(acc.micro_step), 0)
-        self.assertAllClose(acc.accumulators[0], [0.0])
+        self.assertEqual(float(acc.weight_sum), 0.0)
+        # The next window starts from nothing, not from the last one's sum.
+        acc.step([tf.constant([1.0])], opt)
+        self.assertAllClose(acc.accumulators[0], [1.0])
 
     def test_weighted_mean(self):
         # A micro-batch of 4 samples with mean gradient 1 and one of 2
