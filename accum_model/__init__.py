@@ -1,7 +1,14 @@
 """Gradient accumulation for Keras models, exactly equal to large batches."""
 
 from accum_model._accumulator import GradientAccumulator
+from accum_model._batchnorm import AccumBatchNormalization
+from accum_model._batchnorm import replace_batchnorm
 from accum_model._model import AccumModel
 
-__all__ = ["AccumModel", "GradientAccumulator"]
+__all__ = [
+    "AccumBatchNormalization",
+    "AccumModel",
+    "GradientAccumulator",
+    "replace_batchnorm",
+]
 __version__ = "0.1.0"

@@ -205,6 +205,7 @@ class AccumModel(keras.Model):
         # creates variables and traces no more often than plain fit's.
         if all(layer.built for layer in self._flatten_layers()):
             self._accumulation.build()
+        _warn_once_on_plain_batchnorm(self)
         self._flush_function = None
         return super().make_train_function(force=force)
 
@@ -296,6 +297,7 @@ class _AccumulationState(ADAPTER.saveable_base):
         super().__init__()
         self._model_ref = weakref.ref(model)
         self.engine = None
+        self.warned_batchnorm = False
 
     def _obj_type(self):
         return ADAPTER.saveable_obj_type
@@ -329,10 +331,12 @@ class _AccumulationState(ADAPTER.saveable_base):
                 )
                 if model.optimizer is not None and variables:
                     ADAPTER.build_optimizer(model.optimizer, variables)
-        for layer in model._flatten_layers(include_self=False):
-            attach = getattr(layer, "attach_to_accumulator", None)
-            if callable(attach):
-                attach(engine)
+                # Eagerly and under the strategy, like the engine: layers
+                # create their window state here.
+                for layer in model._flatten_layers(include_self=False):
+                    attach = getattr(layer, "attach_to_accumulator", None)
+                    if callable(attach):
+                        attach(engine)
         self.engine = engine
         ADAPTER.track_state(model, engine)
         model._flush_function = None
@@ -360,6 +364,34 @@ class _AccumulationState(ADAPTER.saveable_base):
             )
         for i, v in enumerate(state):
             v.assign(store[str(i)])
+
+
+def _warn_once_on_plain_batchnorm(model):
+    state = model._accumulation
+    if state.warned_batchnorm or model.accum_steps <= 1:
+        return
+    for layer in model._flatten_layers(include_self=False):
+        # A BatchNormalization subclass that takes the accumulator's hook
+        # (`AccumBatchNormalization`) handles accumulation itself; a frozen
+        # one runs in inference mode and updates nothing.
+        if (
+            isinstance(layer, keras.layers.BatchNormalization)
+            and layer.trainable
+            and not callable(getattr(layer, "attach_to_accumulator", None))
+        ):
+            state.warned_batchnorm = True
+            warnings.warn(
+                f"`AccumModel` with accum_steps={model.accum_steps} trains "
+                f"the BatchNormalization layer {layer.name!r}: its moving "
+                "mean and variance are updated once per micro-batch (they "
+                "decay like momentum ** accum_steps per update and follow "
+                "micro-batch moments). Use "
+                "`accum_model.AccumBatchNormalization`, or "
+                "`accum_model.replace_batchnorm(model)`, to update them once "
+                "per update from the pooled moments of the whole window.",
+                stacklevel=2,
+            )
+            return
 
 
 def _same_variables(a, b):
