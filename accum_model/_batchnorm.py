@@ -20,7 +20,8 @@ from accum_model import _keras
 
 ADAPTER = _keras.ADAPTER
 keras = _keras.keras
-ops = keras.ops
+# Keras 3 only: the layer builds on Keras 3's BatchNormalization internals.
+ops = getattr(keras, "ops", None)
 
 
 class _WindowMoments:
@@ -113,6 +114,13 @@ class AccumBatchNormalization(keras.layers.BatchNormalization):
     """
 
     def __init__(self, *args, **kwargs):
+        if _keras.LEGACY:
+            raise ValueError(
+                "`AccumBatchNormalization` needs Keras 3; tf_keras "
+                "(TF_USE_LEGACY_KERAS=1) is not supported yet. Received: "
+                "tf.keras from tf_keras. Keep `BatchNormalization` there "
+                "(its moving statistics then update once per micro-batch)."
+            )
         super().__init__(*args, **kwargs)
         # Python attributes, set before the train step is traced, so the
         # traced graph takes the pooled path.
@@ -286,8 +294,11 @@ def replace_batchnorm(model):
         A new model of the same kind, sharing no variables with `model`.
 
     Raises:
-        ValueError: If `model` is not a functional or Sequential model.
+        ValueError: If `model` is not a functional or Sequential model, or
+            under tf_keras.
     """
+    if _keras.LEGACY:
+        AccumBatchNormalization()  # Raises the tf_keras error.
     functional = ADAPTER.functional_class
     if not isinstance(model, (keras.Sequential, functional)):
         raise ValueError(

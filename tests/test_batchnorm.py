@@ -7,6 +7,7 @@ the input (its activations do not depend on the weights).
 """
 
 import os
+import unittest
 import warnings
 
 import numpy as np
@@ -18,7 +19,12 @@ from accum_model import AccumBatchNormalization
 from accum_model import AccumModel
 from accum_model import GradientAccumulator
 from accum_model import replace_batchnorm
+from accum_model._keras import LEGACY
 from accum_model._keras import keras
+
+_KERAS3_ONLY = unittest.skipIf(
+    LEGACY, "AccumBatchNormalization needs Keras 3"
+)
 
 _MOMENTUM = 0.9
 # Shapes per rank, channels last for axis=-1 and at position 1 for axis=1.
@@ -112,6 +118,7 @@ def _moving(model):
     return bn.moving_mean.numpy(), bn.moving_variance.numpy()
 
 
+@_KERAS3_ONLY
 class AccumBatchNormalizationTest(tf.test.TestCase, parameterized.TestCase):
     def tearDown(self):
         keras.mixed_precision.set_global_policy("float32")
@@ -333,6 +340,7 @@ class AccumBatchNormalizationTest(tf.test.TestCase, parameterized.TestCase):
                             model.predict(x, verbose=0))
 
 
+@_KERAS3_ONLY
 class ReplaceBatchnormTest(tf.test.TestCase, parameterized.TestCase):
     def _assert_replaced(self, original, replaced):
         self.assertNotIn(
@@ -399,6 +407,7 @@ class ReplaceBatchnormTest(tf.test.TestCase, parameterized.TestCase):
             replace_batchnorm(Net())
 
 
+@_KERAS3_ONLY
 class BatchnormWarningTest(tf.test.TestCase, parameterized.TestCase):
     def _fit_twice(self, bn_cls, accum_steps, frozen=False):
         x, y = _data(8)
@@ -435,6 +444,22 @@ def test_exports():
         keras.saving.get_registered_name(AccumBatchNormalization)
         == "accum_model>AccumBatchNormalization"
     )
+
+
+class LegacyKerasTest(tf.test.TestCase):
+    @unittest.skipUnless(LEGACY, "only under tf_keras")
+    def test_refused_with_a_clear_error_under_tf_keras(self):
+        with self.assertRaisesRegex(ValueError, "needs Keras 3"):
+            AccumBatchNormalization()
+        inputs = keras.Input((3,))
+        model = keras.Model(
+            inputs, keras.layers.BatchNormalization()(inputs)
+        )
+        with self.assertRaisesRegex(ValueError, "needs Keras 3"):
+            replace_batchnorm(model)
+        self.assertIsInstance(
+            model.layers[1], keras.layers.BatchNormalization
+        )
 
 
 if __name__ == "__main__":
