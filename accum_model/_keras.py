@@ -188,6 +188,14 @@ class _Keras3Adapter:
 
         _mixed_precision.assign_everywhere(assign, is_finite)
 
+    def replica_log(self, model, value):
+        """A per-replica value equal on all replicas, ready for fit's logs.
+
+        Keras 3 averages per-replica logs, so the value goes as it is.
+        """
+        del model
+        return tf.cast(value, tf.float32)
+
     # Loss normalizers; rules in `_normalizers`.
 
     def keras_mask(self, tensor):
@@ -347,6 +355,22 @@ class _TfKerasAdapter(_Keras3Adapter):
             counter_variable.assign(counter)
 
         _mixed_precision.assign_everywhere(assign, is_finite)
+
+    def replica_log(self, model, value):
+        # tf_keras *sums* per-replica logs across replicas (its "auto"
+        # reduction outside TPUs); a value equal on every replica is handed
+        # out in equal shares so that the sum is the value.
+        from tf_keras.src import backend as tf_keras_backend
+
+        value = tf.cast(value, tf.float32)
+        reduction = model.distribute_reduction_method
+        if reduction == "auto":
+            strategy = tf.distribute.get_strategy()
+            tpu = tf_keras_backend.is_tpu_strategy(strategy)
+            reduction = "first" if tpu else "sum"
+        if reduction == "sum":
+            value = value / tf.cast(_num_replicas(), tf.float32)
+        return value
 
     def compiled_loss_terms(self, model, y, y_pred, sample_weight):
         # `compiled_loss` is tf_keras' `LossesContainer`; `_losses` (private)

@@ -243,7 +243,9 @@ class AccumModel(keras.Model):
             engine.accumulate_weighted(grads, weight, is_finite=is_finite)
             engine.close_window_if_full(self._apply_gradients)
             if scaling:
-                logs["skipped_microbatches"] = engine.skipped_steps
+                logs["skipped_microbatches"] = ADAPTER.replica_log(
+                    self, engine.skipped_steps
+                )
         else:
             warnings.warn("The model does not have any trainable weights.")
 
