@@ -151,8 +151,11 @@ class _Keras3Adapter:
             return optimizer.inner_optimizer
         return optimizer
 
+    def optimizer_built(self, optimizer):
+        return optimizer.built
+
     def build_optimizer(self, optimizer, variables):
-        if not optimizer.built:
+        if not self.optimizer_built(optimizer):
             optimizer.build(variables)
 
     def apply_gradients(self, optimizer, grads, variables):
@@ -321,9 +324,8 @@ class _TfKerasAdapter(_Keras3Adapter):
         # began) but, unlike an attribute, is not counted among the weights.
         model._track_trackable(engine, name="accumulation", overwrite=True)
 
-    def build_optimizer(self, optimizer, variables):
-        if not getattr(optimizer, "_built", True):
-            optimizer.build(variables)
+    def optimizer_built(self, optimizer):
+        return getattr(optimizer, "_built", True)
 
     def apply_gradients(self, optimizer, grads, variables):
         self.inner_optimizer(optimizer).apply_gradients(

@@ -214,6 +214,11 @@ class AccumModel(keras.Model):
                 )
             )
             objective = ADAPTER.unscale_loss_for_distribution(loss)
+            # The forward pass has built a lazily built model by now; the
+            # engine build also builds the optimizer, whose loss-scale
+            # variable must exist before it is read (a value read before
+            # would be baked into the traced step as a constant).
+            engine = self._accumulation.build()
             if scaling:
                 # As Keras scales it: the weight (which may be thousands of
                 # tokens) must not push float16 gradients into overflow, so
@@ -225,9 +230,7 @@ class AccumModel(keras.Model):
                 # multiply instead of one per gradient element.
                 objective = objective * tf.cast(weight, objective.dtype)
 
-        # Compute gradients, accumulate, apply once the window is full
-        # (the forward pass has built a lazily built model by now).
-        engine = self._accumulation.build()
+        # Compute gradients, accumulate, apply once the window is full.
         logs = {}
         if engine.variables_to_update:
             grads = tape.gradient(objective, engine.variables_to_update)
@@ -373,6 +376,15 @@ class _AccumulationState(ADAPTER.saveable_base):
         if self.engine is not None and _same_variables(
             self.engine.variables_to_update, variables
         ):
+            # A `compile` since may have brought an unbuilt optimizer, whose
+            # loss-scale variable the train step reads before applying.
+            if (
+                model.optimizer is not None
+                and variables
+                and not ADAPTER.optimizer_built(model.optimizer)
+            ):
+                with tf.init_scope(), model.distribute_strategy.scope():
+                    ADAPTER.build_optimizer(model.optimizer, variables)
             return self.engine
         with tf.init_scope():
             if self.engine is not None and int(self.engine.micro_step) > 0:

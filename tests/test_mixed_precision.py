@@ -142,6 +142,17 @@ class MixedFloat16Test(tf.test.TestCase, parameterized.TestCase):
             1e-4,
         )
 
+    def test_recompiled_loss_scale_optimizer_is_used(self):
+        # A new, unbuilt optimizer after `compile`: its own scale is read
+        # and moved, not the first one's (or a constant).
+        x, y = _data(overflowing=[1])
+        model, _ = self._fit(x, y, _lso())
+        model.compile(optimizer=_lso(initial_scale=1024.0), loss="mse")
+        model.fit(x, y, batch_size=_MICRO, shuffle=False, verbose=0)
+        self.assertEqual(float(ADAPTER.loss_scale(model.optimizer)), 512.0)
+        self.assertEqual(model.skipped_microbatches, 2)
+        self.assertTrue(_all_finite(model))
+
     def test_logged_loss_is_unscaled(self):
         x, y = _data()
         model, history = self._fit(x, y, _lso(), epochs=2)
