@@ -151,8 +151,11 @@ class _Keras3Adapter:
             return optimizer.inner_optimizer
         return optimizer
 
+    def optimizer_built(self, optimizer):
+        return optimizer.built
+
     def build_optimizer(self, optimizer, variables):
-        if not optimizer.built:
+        if not self.optimizer_built(optimizer):
             optimizer.build(variables)
 
     def apply_gradients(self, optimizer, grads, variables):
@@ -162,6 +165,93 @@ class _Keras3Adapter:
 
     def iterations(self, optimizer):
         return optimizer.iterations
+
+    # Loss scaling (mixed_float16); rules in `_mixed_precision`.
+
+    def loss_scale(self, optimizer):
+        """Float32 scalar: the scale the next micro-batch's loss is multiplied by."""
+        if not optimizer.built:
+            return tf.constant(float(optimizer.initial_scale), tf.float32)
+        return tf.cast(tf.convert_to_tensor(optimizer.dynamic_scale),
+                       tf.float32)
+
+    def update_loss_scale(self, optimizer, is_finite):
+        """Moves the scale one micro-batch on, by Keras' dynamic rule."""
+        from accum_model import _mixed_precision
+
+        def assign(flag):
+            scale, counter = _mixed_precision.next_scale_and_counter(
+                tf.convert_to_tensor(optimizer.dynamic_scale),
+                tf.convert_to_tensor(optimizer.step_counter),
+                flag,
+                optimizer.dynamic_growth_steps,
+            )
+            optimizer.dynamic_scale.assign(scale)
+            optimizer.step_counter.assign(counter)
+
+        _mixed_precision.assign_everywhere(assign, is_finite)
+
+    def replica_log(self, model, value):
+        """A per-replica value equal on all replicas, ready for fit's logs.
+
+        Keras 3 averages per-replica logs, so the value goes as it is.
+        """
+        del model
+        return tf.cast(value, tf.float32)
+
+    # Loss normalizers; rules in `_normalizers`.
+
+    def keras_mask(self, tensor):
+        # Keras 3 keeps a layer's output mask on the tensor itself; its
+        # losses read it from there (`backend.get_keras_mask`).
+        return getattr(tensor, "_keras_mask", None)
+
+    def compiled_loss_terms(self, model, y, y_pred, sample_weight):
+        """The compiled loss's terms for one micro-batch, as Keras computes them.
+
+        Returns:
+            A list of `(reduction, y_pred, sample_weight, mask)`, one per
+            per-output loss, or None when there is no built compiled loss.
+            `reduction` is one of "sum_over_batch_size",
+            "mean_with_sample_weight", "sum", "none".
+        """
+        del y  # Keras 3 pairs targets by the same paths as predictions.
+        # `_compile_loss` (private) is the `CompileLoss` that
+        # `compute_loss` calls; its per-output `Loss` objects carry the
+        # reductions, and `_flat_losses` their paths into `y_pred`.
+        compile_loss = getattr(model, "_compile_loss", None)
+        if compile_loss is None or not compile_loss.built:
+            return None
+        from keras.src import tree
+
+        # As `CompileLoss.call` does: predictions in the structure the loss
+        # was built with (the leaves, and their masks, stay the same).
+        try:
+            tree.assert_same_structure(
+                compile_loss._y_pred_build_structure, y_pred
+            )
+        except (ValueError, TypeError):
+            y_pred = tree.pack_sequence_as(
+                compile_loss._y_pred_build_structure, tree.flatten(y_pred)
+            )
+        nested_weights = sample_weight is not None and tree.is_nested(
+            sample_weight
+        )
+        terms = []
+        for path, loss_fn, _, _ in compile_loss._flat_losses:
+            y_p = _resolve_path(path, y_pred)
+            sw = (
+                _resolve_path(path, sample_weight)
+                if nested_weights
+                else sample_weight
+            )
+            reduction = getattr(loss_fn, "reduction", "sum_over_batch_size")
+            if reduction == "mean":
+                reduction = "sum_over_batch_size"
+            elif reduction is None:
+                reduction = "none"
+            terms.append((reduction, y_p, sw, self.keras_mask(y_p)))
+        return terms
 
     # Serialization and callbacks
 
@@ -234,14 +324,91 @@ class _TfKerasAdapter(_Keras3Adapter):
         # began) but, unlike an attribute, is not counted among the weights.
         model._track_trackable(engine, name="accumulation", overwrite=True)
 
-    def build_optimizer(self, optimizer, variables):
-        if not getattr(optimizer, "_built", True):
-            optimizer.build(variables)
+    def optimizer_built(self, optimizer):
+        return getattr(optimizer, "_built", True)
 
     def apply_gradients(self, optimizer, grads, variables):
         self.inner_optimizer(optimizer).apply_gradients(
             [(g, v) for g, v in zip(grads, variables) if g is not None]
         )
+
+    def loss_scale(self, optimizer):
+        return tf.cast(optimizer.loss_scale, tf.float32)
+
+    def update_loss_scale(self, optimizer, is_finite):
+        if not optimizer.dynamic:
+            return  # A fixed scale never moves.
+        from accum_model import _mixed_precision
+
+        # `_loss_scale` (private) is the `_DynamicLossScaleState` holding the
+        # scale variable; `dynamic_counter` is its public counter variable.
+        scale_variable = optimizer._loss_scale.current_loss_scale
+        counter_variable = optimizer.dynamic_counter
+
+        def assign(flag):
+            scale, counter = _mixed_precision.next_scale_and_counter(
+                tf.convert_to_tensor(scale_variable),
+                tf.convert_to_tensor(counter_variable),
+                flag,
+                optimizer.dynamic_growth_steps,
+                min_scale=1.0,  # tf_keras never halves below 1.
+            )
+            scale_variable.assign(scale)
+            counter_variable.assign(counter)
+
+        _mixed_precision.assign_everywhere(assign, is_finite)
+
+    def replica_log(self, model, value):
+        # tf_keras *sums* per-replica logs across replicas (its "auto"
+        # reduction outside TPUs); a value equal on every replica is handed
+        # out in equal shares so that the sum is the value.
+        from tf_keras.src import backend as tf_keras_backend
+
+        value = tf.cast(value, tf.float32)
+        reduction = model.distribute_reduction_method
+        if reduction == "auto":
+            strategy = tf.distribute.get_strategy()
+            tpu = tf_keras_backend.is_tpu_strategy(strategy)
+            reduction = "first" if tpu else "sum"
+        if reduction == "sum":
+            value = value / tf.cast(_num_replicas(), tf.float32)
+        return value
+
+    def compiled_loss_terms(self, model, y, y_pred, sample_weight):
+        # `compiled_loss` is tf_keras' `LossesContainer`; `_losses` (private)
+        # are its per-output `Loss` objects in `tf.nest.flatten(y_pred)`
+        # order, and `_conform_to_outputs` (private) is how it pairs targets
+        # and sample weights with outputs.
+        container = getattr(model, "compiled_loss", None)
+        if container is None or not getattr(container, "_built", False):
+            return None
+        y = tf.nest.flatten(container._conform_to_outputs(y_pred, y))
+        sample_weight = tf.nest.flatten(
+            container._conform_to_outputs(y_pred, sample_weight)
+        )
+        reductions = {
+            "auto": "sum_over_batch_size",
+            "sum_over_batch_size": "sum_over_batch_size",
+            "sum": "sum",
+            "none": "none",
+        }
+        terms = []
+        for y_t, y_p, sw, loss_obj in zip(
+            y, tf.nest.flatten(y_pred), sample_weight, container._losses
+        ):
+            if y_t is None or loss_obj is None:
+                continue  # No loss for this output, as the container skips.
+            reduction = reductions.get(
+                getattr(loss_obj, "reduction", "auto"), "sum_over_batch_size"
+            )
+            terms.append((reduction, y_p, sw, self.keras_mask(y_p)))
+        return terms
+
+
+def _resolve_path(path, structure):
+    for key in path:
+        structure = structure[key]
+    return structure
 
 
 def _num_replicas():

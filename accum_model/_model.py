@@ -7,6 +7,7 @@ import weakref
 import tensorflow as tf
 
 from accum_model import _keras
+from accum_model import _mixed_precision
 from accum_model import _normalizers
 from accum_model._accumulator import GradientAccumulator
 from accum_model._accumulator import validate_accum_steps
@@ -144,11 +145,32 @@ class AccumModel(keras.Model):
     def compute_loss_normalizer(self, x, y, y_pred, sample_weight):
         """Returns what this micro-batch's loss was divided by.
 
-        Micro-batch `k`'s gradient enters the window with this weight `w_k`,
-        and an update applies `sum(w_k * g_k) / sum(w_k)`. The default is the
-        number of samples, which is what Keras' default loss reduction divides
-        by. Override it when `compute_loss` divides by something else (tokens,
-        a sum of weights) to keep training equal to the large batch.
+        The one hook for losses that divide by something else. Micro-batch
+        `k`'s gradient enters the window with this weight `w_k`, and an update
+        applies `sum(w_k * g_k) / sum(w_k)`: the large batch's gradient when
+        `w_k` is what micro-batch `k`'s loss divided by (up to a factor that
+        is the same for every micro-batch). The default reads the compiled
+        loss's rule, per output:
+
+        - the number of samples for Keras' default reduction
+          (`"sum_over_batch_size"`);
+        - the number of valid elements when the output carries a Keras mask
+          (e.g. `Embedding(mask_zero=True)` upstream of an RNN or Dense);
+        - the sum of the sample weights for
+          `reduction="mean_with_sample_weight"` (Keras 3);
+        - 1 for `"sum"` reductions.
+
+        Override it when `compute_loss` (or a custom loss's reduction) divides
+        by something else, e.g. the number of non-padding tokens of a custom
+        masked loss:
+
+        ```python
+        def compute_loss_normalizer(self, x, y, y_pred, sample_weight):
+            return tf.reduce_sum(tf.cast(y != PAD, tf.float32))
+        ```
+
+        It is called inside the training step, after `compute_loss`, and its
+        result is not differentiated.
 
         Args:
             x: Input data of the micro-batch.
@@ -157,15 +179,28 @@ class AccumModel(keras.Model):
             sample_weight: Sample weights, or None.
 
         Returns:
-            A float32 scalar tensor.
+            A float32 scalar tensor (any real dtype is cast).
         """
-        del y_pred, sample_weight  # The default reduction ignores them.
-        return _normalizers.batch_size(x, y)
+        return _normalizers.loss_normalizer(
+            ADAPTER, self, x, y, y_pred, sample_weight
+        )
+
+    @property
+    def skipped_microbatches(self):
+        """Int. Micro-batches left out of their window for non-finite gradients.
+
+        Counted over the life of the model (only a `LossScaleOptimizer`, as
+        `mixed_float16` uses, skips micro-batches); also in the training logs
+        as `"skipped_microbatches"` when one is in use.
+        """
+        engine = self._accumulation.engine
+        return 0 if engine is None else int(engine.skipped_steps)
 
     # Training
 
     def train_step(self, data):
         x, y, sample_weight = ADAPTER.unpack(data)
+        scaling = ADAPTER.is_loss_scale_optimizer(self.optimizer)
 
         # Forward pass
         with tf.GradientTape() as tape:
@@ -178,23 +213,50 @@ class AccumModel(keras.Model):
                     tf.float32,
                 )
             )
-            # The weight goes into the loss before the tape: one scalar
-            # multiply instead of one per gradient element.
-            objective = ADAPTER.unscale_loss_for_distribution(loss) * tf.cast(
-                weight, loss.dtype
-            )
+            objective = ADAPTER.unscale_loss_for_distribution(loss)
+            # The forward pass has built a lazily built model by now; the
+            # engine build also builds the optimizer, whose loss-scale
+            # variable must exist before it is read (a value read before
+            # would be baked into the traced step as a constant).
+            engine = self._accumulation.build()
+            if scaling:
+                # As Keras scales it: the weight (which may be thousands of
+                # tokens) must not push float16 gradients into overflow, so
+                # it joins the unscaling multiply in float32 instead.
+                scale = ADAPTER.loss_scale(self.optimizer)
+                objective = objective * tf.cast(scale, objective.dtype)
+            else:
+                # The weight goes into the loss before the tape: one scalar
+                # multiply instead of one per gradient element.
+                objective = objective * tf.cast(weight, objective.dtype)
 
-        # Compute gradients, accumulate, apply once the window is full
-        # (the forward pass has built a lazily built model by now).
-        engine = self._accumulation.build()
+        # Compute gradients, accumulate, apply once the window is full.
+        logs = {}
         if engine.variables_to_update:
             grads = tape.gradient(objective, engine.variables_to_update)
-            engine.accumulate_weighted(grads, weight)
+            is_finite = None
+            if scaling:
+                # Unscaled with the scale this micro-batch used, so a scale
+                # change mid-window is harmless.
+                grads = _mixed_precision.unscale_gradients(
+                    grads, weight / scale
+                )
+                is_finite = _mixed_precision.all_replicas_finite(grads)
+                ADAPTER.update_loss_scale(self.optimizer, is_finite)
+            engine.accumulate_weighted(grads, weight, is_finite=is_finite)
             engine.close_window_if_full(self._apply_gradients)
+            if scaling:
+                logs["skipped_microbatches"] = ADAPTER.replica_log(
+                    self, engine.skipped_steps
+                )
         else:
             warnings.warn("The model does not have any trainable weights.")
 
-        return ADAPTER.compute_metrics(self, x, y, y_pred, sample_weight)
+        metrics = ADAPTER.compute_metrics(self, x, y, y_pred, sample_weight)
+        if logs:
+            metrics = dict(metrics)
+            metrics.update(logs)
+        return metrics
 
     def _apply_gradients(self, grads, variables):
         ADAPTER.apply_gradients(self.optimizer, grads, variables)
@@ -314,6 +376,15 @@ class _AccumulationState(ADAPTER.saveable_base):
         if self.engine is not None and _same_variables(
             self.engine.variables_to_update, variables
         ):
+            # A `compile` since may have brought an unbuilt optimizer, whose
+            # loss-scale variable the train step reads before applying.
+            if (
+                model.optimizer is not None
+                and variables
+                and not ADAPTER.optimizer_built(model.optimizer)
+            ):
+                with tf.init_scope(), model.distribute_strategy.scope():
+                    ADAPTER.build_optimizer(model.optimizer, variables)
             return self.engine
         with tf.init_scope():
             if self.engine is not None and int(self.engine.micro_step) > 0:

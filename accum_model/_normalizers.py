@@ -1,11 +1,27 @@
 """What each micro-batch's mean loss was divided by: its weight in a window.
 
 The large batch's loss is `sum_k w_k * L_k / sum_k w_k`, where `L_k` is
-micro-batch k's loss and `w_k` the normalizer that loss divided by. With
-Keras' default reduction (`"sum_over_batch_size"`) every loss, per-output
-losses and `loss_weights` included, divides by the batch size, so `w_k` is the
-number of samples in micro-batch k.
+micro-batch k's loss and `w_k` the normalizer that loss divided by. Only the
+*ratios* of the `w_k` matter, so a normalizer may be off by a factor that is
+the same for every micro-batch. The default (`loss_normalizer`) reads the
+rule from the compiled loss, per output:
+
+- reduction "sum_over_batch_size" (Keras' default; also "mean" and tf_keras'
+  "auto"): the number of samples, or, when the output carries a Keras mask
+  (e.g. `Embedding(mask_zero=True)` upstream), the number of valid (unmasked)
+  elements, which is what Keras divides a masked loss by;
+- "mean_with_sample_weight" (Keras 3): the sum of the sample weights (of the
+  valid elements, with a mask); the number of samples when there are none;
+- "sum" and "none": 1 (a sum has no normalizer: the window applies the mean
+  of the micro-batches' summed gradients).
+
+Several outputs with per-output losses and `loss_weights` stay exact when
+their normalizers are proportional across micro-batches: all by sample count
+(the default), or all the same mask or sample weights. Otherwise no single
+weight per micro-batch is exact; the first output's is used, with a warning.
 """
+
+import warnings
 
 import tensorflow as tf
 
@@ -19,6 +35,9 @@ def batch_size(x, y=None):
 
     Returns:
         The leading dimension of the first tensor found, as float32.
+
+    Raises:
+        ValueError: If neither `x` nor `y` holds a tensor.
     """
     for structure in (x, y):
         for leaf in tf.nest.flatten(structure):
@@ -28,3 +47,78 @@ def batch_size(x, y=None):
         "Cannot tell the batch size of a micro-batch with neither inputs nor "
         f"targets. Received: x={x!r}, y={y!r}"
     )
+
+
+def _expand_to_rank(tensor, rank):
+    # Keras broadcasts per-sample weights over a per-element mask by adding
+    # trailing axes (`squeeze_or_expand_to_same_rank`).
+    while len(tensor.shape) < rank:
+        tensor = tf.expand_dims(tensor, -1)
+    return tensor
+
+
+def term_normalizer(reduction, y_pred, sample_weight, mask, samples):
+    """One compiled loss term's normalizer and a key for what it counts.
+
+    Args:
+        reduction: "sum_over_batch_size", "mean_with_sample_weight", "sum" or
+            "none".
+        y_pred: The term's prediction.
+        sample_weight: The term's sample weights, or None.
+        mask: The Keras mask `y_pred` carries, or None.
+        samples: Float32 scalar, the micro-batch's number of samples.
+
+    Returns:
+        `(key, normalizer)`: `normalizer` a float32 scalar tensor; two terms
+        whose keys are equal have proportional normalizers in every
+        micro-batch.
+    """
+    del y_pred  # The count of samples stands for its (fixed) element count.
+    if reduction in ("sum", "none"):
+        return ("one",), tf.constant(1.0)
+    weights = None
+    if reduction == "mean_with_sample_weight" and sample_weight is not None:
+        weights = tf.cast(sample_weight, tf.float32)
+    if mask is not None:
+        valid = tf.cast(mask, tf.float32)
+        if weights is None:
+            return ("valid", id(mask)), tf.reduce_sum(valid)
+        weights = _expand_to_rank(weights, len(valid.shape))
+        return (
+            ("weights", id(sample_weight), id(mask)),
+            tf.reduce_sum(valid * weights),
+        )
+    if weights is not None:
+        return ("weights", id(sample_weight)), tf.reduce_sum(weights)
+    return ("samples",), samples
+
+
+def loss_normalizer(adapter, model, x, y, y_pred, sample_weight):
+    """The default `AccumModel.compute_loss_normalizer` (rules above).
+
+    Args:
+        adapter: The Keras-generation adapter (`_keras.ADAPTER`).
+        model: The `AccumModel`.
+        x, y, y_pred, sample_weight: The micro-batch, as in `compute_loss`.
+
+    Returns:
+        A float32 scalar tensor.
+    """
+    samples = batch_size(x, y)
+    terms = adapter.compiled_loss_terms(model, y, y_pred, sample_weight)
+    if not terms:
+        # No compiled loss (e.g. only `add_loss` losses): Keras' loss tracker
+        # weights such a loss by the number of samples too.
+        return samples
+    normalizers = [term_normalizer(*term, samples) for term in terms]
+    keys = {key for key, _ in normalizers}
+    if len(keys) > 1:
+        warnings.warn(
+            "The outputs' losses of this model divide by different "
+            f"quantities ({sorted(k[0] for k in keys)}), so no single weight "
+            "per micro-batch makes the accumulated gradient exactly the large "
+            "batch's; the first output's normalizer is used. Override "
+            "`AccumModel.compute_loss_normalizer` to choose another.",
+            stacklevel=3,
+        )
+    return normalizers[0][1]

@@ -28,5 +28,23 @@ class TrainExampleTest(tf.test.TestCase):
         self.assertIn("accum (B=16, N=4)", result.stdout)
 
 
+class PaddedSequencesExampleTest(tf.test.TestCase):
+    def test_exact_normalization_beats_naive_averaging(self):
+        result = _run_example(
+            "padded_sequences.py", "--batch_size=4", "--accum_steps=3",
+            "--max_len=12", "--units=4",
+        )
+        self.assertEqual(result.returncode, 0, result.stderr[-3000:])
+        self.assertIn("exact normalization matches the large batch",
+                      result.stdout)
+        rows = {
+            line[:24].strip(): float(line.split()[-1])
+            for line in result.stdout.splitlines()
+            if line.startswith(("exact (", "naive ("))
+        }
+        self.assertLess(rows["exact (valid tokens)"], 1e-4)
+        self.assertGreater(rows["naive (sample count)"], 1e-2)
+
+
 if __name__ == "__main__":
     tf.test.main()

@@ -1,0 +1,156 @@
+"""Loss scaling for accumulation: unscale per micro-batch, skip what overflows.
+
+Under `mixed_float16` Keras wraps the optimizer in a `LossScaleOptimizer`:
+the loss is multiplied by a dynamic scale before the backward pass, so small
+float16 gradients do not underflow, and the gradients are divided by it
+again. `AccumModel` does the same per micro-batch, with the rules here:
+
+- Each micro-batch's gradients are unscaled in float32 with the scale *that
+  micro-batch* was computed with (and multiplied by its normalizer weight in
+  the same multiply), so a scale that changes mid-window is harmless: the
+  window only ever holds unscaled gradients.
+- A micro-batch whose gradients are not all finite, on any replica, is left
+  out of the window (its samples do not count toward the normalizer) but
+  still takes its place in it, so windows close on schedule.
+- The scale follows Keras' dynamic rule once per *micro-batch* (one backward
+  pass, which is what can overflow): halve it on a non-finite micro-batch,
+  double it after `dynamic_growth_steps` finite micro-batches in a row. The
+  scale therefore evolves exactly as in plain `fit` with batch `B` over the
+  same micro-batches.
+
+This module knows TensorFlow only; the Keras generations' loss-scale
+variables are read and written through `_keras.ADAPTER`.
+"""
+
+import tensorflow as tf
+
+
+def unscale_gradients(grads, factor):
+    """Returns `grads` in float32, each multiplied by `factor`.
+
+    Args:
+        grads: List of gradients (tensors, `tf.IndexedSlices` or `None`) of
+            the *scaled* loss, in any float dtype.
+        factor: Float32 scalar: `weight / loss_scale` for `AccumModel`, where
+            `loss_scale` is the scale this micro-batch's loss was multiplied by.
+
+    Returns:
+        The list of float32 gradients (`None` stays `None`).
+    """
+    factor = tf.cast(factor, tf.float32)
+    out = []
+    for g in grads:
+        if g is None:
+            out.append(None)
+        elif isinstance(g, tf.IndexedSlices):
+            # Sparse (embedding) gradients stay sparse: scale the rows only.
+            out.append(
+                tf.IndexedSlices(
+                    tf.cast(g.values, tf.float32) * factor,
+                    g.indices,
+                    g.dense_shape,
+                )
+            )
+        else:
+            out.append(tf.cast(g, tf.float32) * factor)
+    return out
+
+
+def all_replicas_finite(grads):
+    """Bool scalar: whether every gradient on every replica is finite.
+
+    Each replica counts its non-finite gradient tensors and, under a
+    `tf.distribute` strategy (in replica context), the counts are summed
+    across replicas, so every replica (also across workers with
+    `MultiWorkerMirroredStrategy`) takes the same decision on the same
+    micro-batch. Before accumulation the gradients are per-replica, not yet
+    all-reduced, so a local check alone could disagree between replicas.
+
+    Args:
+        grads: List of gradients (tensors, `tf.IndexedSlices` or `None`).
+
+    Returns:
+        A bool scalar tensor.
+    """
+    flags = []
+    for g in grads:
+        if g is None:
+            continue
+        values = g.values if isinstance(g, tf.IndexedSlices) else g
+        flags.append(tf.reduce_all(tf.math.is_finite(values)))
+    if not flags:
+        return tf.constant(True)
+    # float32: every cross-device all-reduce implementation supports it.
+    bad = tf.add_n(
+        [tf.cast(tf.logical_not(f), tf.float32) for f in flags]
+    )
+    if tf.distribute.has_strategy() and not (
+        tf.distribute.in_cross_replica_context()
+    ):
+        bad = tf.distribute.get_replica_context().all_reduce(
+            tf.distribute.ReduceOp.SUM, bad
+        )
+    return tf.equal(bad, 0.0)
+
+
+def next_scale_and_counter(scale, counter, is_finite, growth_steps,
+                           min_scale=None):
+    """Keras' dynamic loss-scale rule, one step.
+
+    Non-finite: the scale halves (not below `min_scale`, when given) and the
+    counter resets. Finite: the counter counts up; when it reaches
+    `growth_steps` the scale doubles and the counter resets.
+
+    Args:
+        scale: Float32 scalar tensor, the current loss scale.
+        counter: Integer scalar tensor, finite steps since the last change.
+        is_finite: Bool scalar tensor.
+        growth_steps: Int, Keras' `dynamic_growth_steps`.
+        min_scale: Optional float: tf_keras never goes below 1, Keras 3 has
+            no floor.
+
+    Returns:
+        `(new_scale, new_counter)`, of the dtypes of `scale` and `counter`.
+    """
+    grown = counter + 1
+    grow = tf.logical_and(
+        is_finite, grown >= tf.cast(growth_steps, grown.dtype)
+    )
+    halved = scale * 0.5
+    if min_scale is not None:
+        halved = tf.maximum(halved, tf.cast(min_scale, scale.dtype))
+    new_scale = tf.where(
+        is_finite, tf.where(grow, scale * 2.0, scale), halved
+    )
+    new_counter = tf.where(
+        tf.logical_and(is_finite, tf.logical_not(grow)),
+        grown,
+        tf.zeros_like(counter),
+    )
+    return new_scale, new_counter
+
+
+def assign_everywhere(assignments, is_finite):
+    """Runs `assignments(is_finite)` once, in cross-replica context.
+
+    Loss-scale variables are mirrored with aggregation NONE: Keras updates
+    them in cross-replica context, where one assignment sets every replica's
+    copy. `is_finite` is the same on every replica (see
+    `all_replicas_finite`), so the first replica's value stands for all.
+
+    Args:
+        assignments: `fn(is_finite)` that assigns the variables.
+        is_finite: Bool scalar tensor.
+    """
+    if tf.distribute.has_strategy() and not (
+        tf.distribute.in_cross_replica_context()
+    ):
+
+        def merge_fn(strategy, flag):
+            assignments(strategy.experimental_local_results(flag)[0])
+
+        tf.distribute.get_replica_context().merge_call(
+            merge_fn, args=(is_finite,)
+        )
+    else:
+        assignments(is_finite)
