@@ -89,11 +89,16 @@ def _unguarded_track_loss(model, loss, batch_size):
 def scalar_mean_squared_error(y_true, y_pred):
     """A loss that reduces itself: NaN on an empty shard (0 / 0).
 
-    Keras leaves a scalar returned by a loss function as it is, so such a
-    loss scales itself for the replicas, as Keras' own losses are scaled.
+    Keras 3 leaves a scalar returned by a loss function as it is (its
+    `reduce_values`), so under Keras 3 such a loss scales itself for the
+    replicas as Keras scales its own; tf_keras scales it.
     """
-    replicas = tf.distribute.get_strategy().num_replicas_in_sync
-    return tf.reduce_mean(tf.square(y_true - y_pred)) / replicas
+    from accum_model._keras import LEGACY
+
+    loss = tf.reduce_mean(tf.square(y_true - y_pred))
+    if LEGACY:
+        return loss
+    return loss / tf.distribute.get_strategy().num_replicas_in_sync
 
 
 LOSSES = {"mse": "mse", "scalar_mse": scalar_mean_squared_error}
