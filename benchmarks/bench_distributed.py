@@ -240,8 +240,10 @@ def _print_table(rows, replicas):
             print(f"{r['run']:<22}  fails: {r['error'][:110]}")
             continue
         mb = r["bytes_per_micro_step"] / 1e6
-        ratio = (f"{r['bytes_per_micro_step'] / plain['bytes_per_micro_step']:.3f}"
-                 if plain else "")
+        ratio = ""
+        if plain:
+            share = r["bytes_per_micro_step"] / plain["bytes_per_micro_step"]
+            ratio = f"{share:.3f}"
         print(f"{r['run']:<22}{r['micro_steps_per_s']:>14.2f}{mb:>27.2f}"
               f"{ratio:>10}")
 
