@@ -244,6 +244,7 @@ class GradientAccumulator(tf.Module):
         Returns:
             A bool scalar tensor: whether this call closed a window.
         """
+        self._build_optimizer(optimizer)
         self.accumulate(grads, weight, is_finite=is_finite)
         return self.close_window_if_full(_optimizer_apply_fn(optimizer))
 
@@ -258,9 +259,27 @@ class GradientAccumulator(tf.Module):
         Returns:
             A bool scalar tensor: whether a window was closed.
         """
+        self._build_optimizer(optimizer)
         return self.close_window_if(
             self._micro_step > 0, _optimizer_apply_fn(optimizer)
         )
+
+    def _build_optimizer(self, optimizer):
+        # Keras optimizers create their slots on their first apply. Here that
+        # is inside the apply branch, and under a strategy that branch runs
+        # in `merge_call`, where a traced function cannot lift new variables
+        # out of the `tf.cond` ("You must feed a value for placeholder").
+        # Build them first, eagerly and in cross-replica context.
+        from accum_model import _keras
+
+        def build(*_):
+            with tf.init_scope():
+                _keras.ADAPTER.build_optimizer(optimizer, self._variables)
+
+        if _in_replica_context_of_strategy():
+            tf.distribute.get_replica_context().merge_call(build)
+        else:
+            build()
 
     def reset(self):
         """Discards the open window without applying it."""

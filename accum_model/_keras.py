@@ -131,9 +131,69 @@ class _Keras3Adapter:
     def track_loss(self, model, loss, batch_size):
         # Exactly what Keras' `train_step` logs: the loss per micro-batch,
         # weighted by its batch size, so `logs["loss"]` is a per-sample mean.
+        # A replica's empty shard of a short global batch has a NaN mean
+        # loss; weighted 0 it would still turn the tracker's total into NaN.
+        loss = tf.where(batch_size > 0, loss, tf.zeros_like(loss))
         model._loss_tracker.update_state(
             loss * _num_replicas(), sample_weight=batch_size
         )
+
+    # MultiWorkerMirroredStrategy: two narrow workarounds for Keras 3.15's
+    # `fit`, which fails there on CPU for any model (also a plain
+    # `keras.Model`). Both apply only when the strategy is a multi-worker
+    # collective one, the case Keras itself singles out in
+    # `reduce_per_replica` (`_collective_all_reduce_multi_worker`).
+
+    def symbolic_build_arguments(self, model, iterator, data_batch):
+        """What `_maybe_symbolic_build` should build the model from.
+
+        Keras reduces the first distributed batch with
+        `strategy.reduce("MEAN", batch, axis=None)` to get one batch to build
+        on; under MultiWorkerMirroredStrategy that is a collective over the
+        data (integer labels and all) and fails ("Attempt to convert a value
+        (PerReplica...)"). Building needs only shapes and dtypes, so this
+        worker's first replica's shard serves, with no communication.
+
+        Returns:
+            `(iterator, data_batch)` to pass on to Keras.
+        """
+        strategy = model.distribute_strategy
+        if iterator is None or not _is_multi_worker_collective(strategy):
+            return iterator, data_batch
+        for _, _, it in iterator:
+            batch = next(it)
+            break
+        else:
+            return iterator, data_batch
+
+        def local(value):
+            if isinstance(value, tf.distribute.DistributedValues):
+                return strategy.experimental_local_results(value)[0]
+            return value
+
+        return None, tf.nest.map_structure(local, batch)
+
+    def logs_for_replica_reduction(self, model, logs):
+        """Makes a step's scalar logs reducible by Keras' multi-worker path.
+
+        Keras' `reduce_per_replica` averages per-replica logs under
+        MultiWorkerMirroredStrategy with `strategy.reduce("MEAN", v,
+        axis=0)`, which needs a leading axis that scalar losses and metrics
+        do not have ("axis 0 out of range"). With shape `[1]` that reduction
+        is the mean over replicas, what Keras computes for one-worker
+        strategies, and it returns a scalar again.
+        """
+        if not _is_multi_worker_collective(model.distribute_strategy):
+            return logs
+
+        def expand(value):
+            if isinstance(value, (tf.Tensor, tf.Variable)) and (
+                value.shape.rank == 0
+            ):
+                return tf.reshape(value, [1])
+            return value
+
+        return tf.nest.map_structure(expand, logs)
 
     def unscale_loss_for_distribution(self, loss):
         return loss * tf.cast(_num_replicas(), loss.dtype)
@@ -314,6 +374,14 @@ class _TfKerasAdapter(_Keras3Adapter):
     def track_loss(self, model, loss, batch_size):
         del model, loss, batch_size  # tf_keras' compiled loss tracks itself.
 
+    def symbolic_build_arguments(self, model, iterator, data_batch):
+        del model  # tf_keras builds in the traced step; nothing to change.
+        return iterator, data_batch
+
+    def logs_for_replica_reduction(self, model, logs):
+        del model  # tf_keras' `reduce_per_replica` handles scalar logs.
+        return logs
+
     def is_loss_scale_optimizer(self, optimizer):
         return isinstance(optimizer, keras.mixed_precision.LossScaleOptimizer)
 
@@ -409,6 +477,13 @@ def _resolve_path(path, structure):
     for key in path:
         structure = structure[key]
     return structure
+
+
+def _is_multi_worker_collective(strategy):
+    # Private: `_in_multi_worker_mode` is how Keras itself tells this case.
+    return isinstance(
+        strategy, tf.distribute.MultiWorkerMirroredStrategy
+    ) and strategy.extended._in_multi_worker_mode()
 
 
 def _num_replicas():

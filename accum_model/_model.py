@@ -256,7 +256,24 @@ class AccumModel(keras.Model):
         if logs:
             metrics = dict(metrics)
             metrics.update(logs)
-        return metrics
+        return ADAPTER.logs_for_replica_reduction(self, metrics)
+
+    def test_step(self, data):
+        # Only to make the logs reducible under MultiWorkerMirroredStrategy
+        # (see `logs_for_replica_reduction`); evaluation is Keras' own.
+        return ADAPTER.logs_for_replica_reduction(
+            self, super().test_step(data)
+        )
+
+    def _maybe_symbolic_build(self, iterator=None, data_batch=None):
+        # Keras 3 only (tf_keras never calls it): builds from a local shard
+        # under MultiWorkerMirroredStrategy (see `symbolic_build_arguments`).
+        iterator, data_batch = ADAPTER.symbolic_build_arguments(
+            self, iterator, data_batch
+        )
+        return super()._maybe_symbolic_build(
+            iterator=iterator, data_batch=data_batch
+        )
 
     def _apply_gradients(self, grads, variables):
         ADAPTER.apply_gradients(self.optimizer, grads, variables)

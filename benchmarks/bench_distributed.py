@@ -1,0 +1,263 @@
+"""Gradient traffic and speed under MultiWorkerMirroredStrategy, 2 workers.
+
+Starts 2 worker processes of this script on 127.0.0.1 (free ports,
+`TF_CONFIG`), one CPU replica each, and in both trains the same ~21M-parameter
+MLP on synthetic data, per configuration:
+
+  plain fit          `keras.Model`, one update per global batch
+  AccumModel N       `AccumModel(accum_steps=N)`, N = 1, 4, 8
+  Keras built-in N   `keras.Model` with `SGD(gradient_accumulation_steps=N)`
+                     (Keras 3 only)
+
+Each configuration runs 2 epochs of `--steps` micro-steps; the second epoch is
+timed. Bytes are those the workers' collective all-reduces executed in that
+epoch (counted by tests/allreduce_counter.py, the counter the tests use),
+divided by its micro-steps. The chief prints the table.
+
+    python benchmarks/bench_distributed.py
+    python benchmarks/bench_distributed.py --steps=8 --hidden=512   # quick
+"""
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, _ROOT)
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+from absl import app  # noqa: E402
+from absl import flags  # noqa: E402
+from absl import logging  # noqa: E402
+
+_WORKER_INDEX = flags.DEFINE_integer(
+    "worker_index", None, "Internal: run as this worker of the cluster.")
+_WORKERS = flags.DEFINE_integer("workers", 2, "Worker processes.")
+_STEPS = flags.DEFINE_integer(
+    "steps", 16, "Micro-steps per epoch (a multiple of 8).")
+_BATCH = flags.DEFINE_integer("batch_size", 8, "Micro-batch per replica.")
+_INPUT = flags.DEFINE_integer("input_dim", 1024, "Input features.")
+_HIDDEN = flags.DEFINE_integer(
+    "hidden", 4096, "Width of the two hidden layers (4096: ~21M params).")
+_ACCUM = flags.DEFINE_list("accum_steps", ["1", "4", "8"],
+                           "accum_steps values for AccumModel.")
+_BUILTIN = flags.DEFINE_list(
+    "builtin_steps", ["8"],
+    "gradient_accumulation_steps values for Keras' built-in option.")
+_TIMEOUT = flags.DEFINE_integer("timeout", 900, "Seconds for the whole run.")
+_JSON = flags.DEFINE_string("json", None, "Also write the results here.")
+
+
+def _free_ports(count):
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def _launch():
+    """Starts the workers, relays the chief's output, always reaps them."""
+    start = time.monotonic()
+    ports = _free_ports(_WORKERS.value)
+    processes = []
+    try:
+        for index in range(_WORKERS.value):
+            env = dict(os.environ, PYTHONPATH=_ROOT)
+            env["TF_CONFIG"] = json.dumps({
+                "cluster": {"worker": [f"127.0.0.1:{p}" for p in ports]},
+                "task": {"type": "worker", "index": index},
+            })
+            processes.append(subprocess.Popen(
+                [sys.executable, os.path.abspath(__file__),
+                 f"--worker_index={index}"] + sys.argv[1:],
+                env=env,
+                stdout=None if index == 0 else subprocess.DEVNULL,
+                stderr=None if index == 0 else subprocess.DEVNULL,
+            ))
+        deadline = time.monotonic() + _TIMEOUT.value
+        while any(p.poll() is None for p in processes):
+            if time.monotonic() > deadline:
+                raise SystemExit(f"Timed out after {_TIMEOUT.value} s.")
+            if any(p.poll() not in (None, 0) for p in processes):
+                break
+            time.sleep(0.5)
+    finally:
+        for p in processes:
+            if p.poll() is None:
+                p.kill()
+        for p in processes:
+            p.wait()
+    codes = [p.returncode for p in processes]
+    if any(codes):
+        raise SystemExit(f"Worker exit codes: {codes}")
+    print(f"({time.monotonic() - start:.0f} s in all)")
+
+
+def _configure_coordination(workers):
+    # What MultiWorkerMirroredStrategy configures itself, with a longer
+    # heartbeat timeout: two workers on two shared CPU cores, moving 84 MB
+    # per all-reduce, can miss the default one and abort the cluster.
+    from tensorflow.compiler.xla.tsl.protobuf import coordination_config_pb2
+    from tensorflow.python.eager import context
+
+    context.context().configure_coordination_service(
+        service_type="standalone",
+        service_leader="/job:worker/replica:0/task:0",
+        heartbeat_timeout_in_ms=300_000,
+        coordinated_jobs=[coordination_config_pb2.CoordinatedJob(
+            name="worker", num_tasks=workers)],
+    )
+
+
+def _first_line(error):
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(error))  # Keras' bold
+    for line in text.splitlines():
+        if "merge_call" in line:  # what Keras' built-in raises here
+            return f"{type(error).__name__}: {line.strip()}"
+    return f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"
+
+
+def _run_worker():
+    import numpy as np
+    import tensorflow as tf
+
+    logging.set_verbosity(logging.WARNING)
+    tf.get_logger().setLevel("ERROR")
+    _configure_coordination(_WORKERS.value)
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+
+    from accum_model import AccumModel
+    from accum_model._keras import ADAPTER
+    from accum_model._keras import LEGACY
+    from accum_model._keras import keras
+    from tests import allreduce_counter
+
+    allreduce_counter.install()
+    replicas = strategy.num_replicas_in_sync
+    global_batch = _BATCH.value * replicas
+    rng = np.random.default_rng(0)
+    samples = global_batch * _STEPS.value
+    x = rng.normal(size=(samples, _INPUT.value)).astype("float32")
+    y = rng.normal(size=(samples, 10)).astype("float32")
+
+    class PlainModel(keras.Model):
+        # Keras' own train_step; only AccumModel's workarounds for Keras
+        # 3.15's fit under MultiWorkerMirroredStrategy, without which plain
+        # fit does not run there at all.
+        def train_step(self, data):
+            return ADAPTER.logs_for_replica_reduction(
+                self, super().train_step(data))
+
+        def _maybe_symbolic_build(self, iterator=None, data_batch=None):
+            iterator, data_batch = ADAPTER.symbolic_build_arguments(
+                self, iterator, data_batch)
+            return super()._maybe_symbolic_build(
+                iterator=iterator, data_batch=data_batch)
+
+    def build(cls, **kwargs):
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((_INPUT.value,))
+        h = keras.layers.Dense(_HIDDEN.value, activation="relu")(inputs)
+        h = keras.layers.Dense(_HIDDEN.value, activation="relu")(h)
+        outputs = keras.layers.Dense(10)(h)
+        return cls(inputs=inputs, outputs=outputs, **kwargs)
+
+    class Timer(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            if epoch == 1:  # epoch 0 traces and warms up
+                allreduce_counter.reset()
+                self.start = time.perf_counter()
+
+        def on_epoch_end(self, epoch, logs=None):
+            if epoch == 1:
+                self.seconds = time.perf_counter() - self.start
+                self.records = allreduce_counter.records()
+
+    configs = [("plain fit", 1, lambda: build(PlainModel), {})]
+    configs += [
+        (f"AccumModel N={n}", int(n),
+         lambda n=n: build(AccumModel, accum_steps=int(n)), {})
+        for n in _ACCUM.value
+    ]
+    if not LEGACY:
+        configs += [
+            (f"Keras built-in N={n}", int(n), lambda: build(PlainModel),
+             {"gradient_accumulation_steps": int(n)})
+            for n in _BUILTIN.value
+        ]
+
+    rows = []
+    for name, n, make, optimizer_kwargs in configs:
+        row = {"run": name, "accum_steps": n}
+        try:
+            with strategy.scope():
+                model = make()
+                model.compile(
+                    optimizer=keras.optimizers.SGD(0.01, **optimizer_kwargs),
+                    loss="mse",
+                )
+            params = model.count_params()
+            timer = Timer()
+            model.fit(x, y, batch_size=global_batch, epochs=2,
+                      shuffle=False, verbose=0, callbacks=[timer])
+            total = sum(b for _, b in timer.records)
+            row.update(
+                params=params,
+                micro_steps_per_s=_STEPS.value / timer.seconds,
+                bytes_per_micro_step=total / _STEPS.value,
+                all_reduces_per_micro_step=len(timer.records) / _STEPS.value,
+                updates=int(model.optimizer.iterations.numpy()),
+            )
+        except Exception as e:  # A configuration that does not run.
+            row["error"] = _first_line(e)
+        rows.append(row)
+    if _WORKER_INDEX.value == 0:
+        _print_table(rows, replicas)
+        if _JSON.value:
+            with open(_JSON.value, "w") as f:
+                json.dump(rows, f, indent=1)
+
+
+def _print_table(rows, replicas):
+    plain = next((r for r in rows if r["run"] == "plain fit"
+                  and "error" not in r), None)
+    params = next((r["params"] for r in rows if "params" in r), 0)
+    print(f"{len(rows)} runs, {replicas} workers x 1 CPU replica, "
+          f"{params / 1e6:.1f}M parameters, micro-batch {_BATCH.value} per "
+          f"replica, {_STEPS.value} timed micro-steps each")
+    print(f"{'run':<22}{'micro-steps/s':>14}{'MB all-reduced/micro-step':>27}"
+          f"{'vs plain':>10}")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['run']:<22}  fails: {r['error'][:110]}")
+            continue
+        mb = r["bytes_per_micro_step"] / 1e6
+        ratio = ""
+        if plain:
+            share = r["bytes_per_micro_step"] / plain["bytes_per_micro_step"]
+            ratio = f"{share:.3f}"
+        print(f"{r['run']:<22}{r['micro_steps_per_s']:>14.2f}{mb:>27.2f}"
+              f"{ratio:>10}")
+
+
+def main(argv):
+    if _STEPS.value % 8:
+        raise ValueError(
+            f"`steps` must be a multiple of 8. Received: steps={_STEPS.value}")
+    if _WORKER_INDEX.value is None:
+        del argv
+        _launch()
+    else:
+        _run_worker()
+
+
+if __name__ == "__main__":
+    app.run(main)

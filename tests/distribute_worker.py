@@ -1,0 +1,286 @@
+"""Runs training cases under a tf.distribute strategy; writes JSON results.
+
+Started by tests/test_distribute.py (never imported by it): the strategy's
+devices must be configured before TensorFlow initializes, which a pytest
+process that already ran TensorFlow cannot do.
+
+    python tests/distribute_worker.py --strategy=mirrored \
+        --cases=cases.json --output=out.json
+    TF_CONFIG=... python tests/distribute_worker.py --strategy=multi_worker ...
+
+`mirrored` is `MirroredStrategy` on 2 logical CPU devices of this process;
+`multi_worker` is `MultiWorkerMirroredStrategy` with one CPU replica in each
+worker process that `TF_CONFIG` names. Every case reports the weights it
+started from and the weights after every optimizer update, plus the
+all-reduces it executed (tests/allreduce_counter.py); the test process
+computes the single-device reference itself.
+"""
+
+import json
+import os
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from absl import app  # noqa: E402
+from absl import flags  # noqa: E402
+from absl import logging  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+FLAGS = flags.FLAGS
+flags.DEFINE_enum("strategy", "mirrored", ["mirrored", "multi_worker"],
+                  "Which tf.distribute strategy to run the cases under.")
+flags.DEFINE_string("cases", None, "JSON file with a list of cases.")
+flags.DEFINE_string("output", None, "Where to write the JSON results.")
+
+
+def _make_strategy(name):
+    if name == "mirrored":
+        cpu = tf.config.list_physical_devices("CPU")[0]
+        tf.config.set_logical_device_configuration(
+            cpu, [tf.config.LogicalDeviceConfiguration()] * 2
+        )
+        return tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    # What the strategy configures itself, with a longer heartbeat timeout:
+    # workers on 2 busy CI cores can miss the default one.
+    from tensorflow.compiler.xla.tsl.protobuf import coordination_config_pb2
+    from tensorflow.python.eager import context
+
+    workers = len(json.loads(os.environ["TF_CONFIG"])["cluster"]["worker"])
+    context.context().configure_coordination_service(
+        service_type="standalone",
+        service_leader="/job:worker/replica:0/task:0",
+        heartbeat_timeout_in_ms=120_000,
+        coordinated_jobs=[coordination_config_pb2.CoordinatedJob(
+            name="worker", num_tasks=workers)],
+    )
+    return tf.distribute.MultiWorkerMirroredStrategy()
+
+
+def _as_lists(weights):
+    return [np.asarray(w).tolist() for w in weights]
+
+
+def _plain_model_class():
+    from accum_model._keras import ADAPTER
+    from accum_model._keras import keras
+
+    class PlainModel(keras.Model):
+        """Keras' own train_step, plus only AccumModel's MWMS workarounds."""
+
+        def train_step(self, data):
+            return ADAPTER.logs_for_replica_reduction(
+                self, super().train_step(data)
+            )
+
+        def test_step(self, data):
+            return ADAPTER.logs_for_replica_reduction(
+                self, super().test_step(data)
+            )
+
+        def _maybe_symbolic_build(self, iterator=None, data_batch=None):
+            iterator, data_batch = ADAPTER.symbolic_build_arguments(
+                self, iterator, data_batch
+            )
+            return super()._maybe_symbolic_build(
+                iterator=iterator, data_batch=data_batch
+            )
+
+    return PlainModel
+
+
+def _unguarded_track_loss(model, loss, batch_size):
+    # `_Keras3Adapter.track_loss` without its empty-shard guard.
+    model._loss_tracker.update_state(
+        loss * tf.distribute.get_strategy().num_replicas_in_sync,
+        sample_weight=batch_size,
+    )
+
+
+def scalar_mean_squared_error(y_true, y_pred):
+    """A loss that reduces itself: NaN on an empty shard (0 / 0).
+
+    Keras 3 leaves a scalar returned by a loss function as it is (its
+    `reduce_values`), so under Keras 3 such a loss scales itself for the
+    replicas as Keras scales its own; tf_keras scales it.
+    """
+    from accum_model._keras import LEGACY
+
+    loss = tf.reduce_mean(tf.square(y_true - y_pred))
+    if LEGACY:
+        return loss
+    return loss / tf.distribute.get_strategy().num_replicas_in_sync
+
+
+LOSSES = {"mse": "mse", "scalar_mse": scalar_mean_squared_error}
+
+
+# What a case may switch off, to show that each workaround is needed.
+_DISABLE = {
+    "symbolic_build": ("symbolic_build_arguments",
+                       lambda model, iterator, data_batch: (iterator,
+                                                            data_batch)),
+    "logs": ("logs_for_replica_reduction", lambda model, logs: logs),
+    "empty_shard_guard": ("track_loss", _unguarded_track_loss),
+}
+
+
+def _fit_case(strategy, case):
+    from accum_model._keras import ADAPTER
+
+    patched = [_DISABLE[name] for name in case.get("disable", [])]
+    try:
+        for attr, replacement in patched:
+            setattr(ADAPTER, attr, replacement)
+        return _fit(strategy, case)
+    finally:
+        for attr, _ in patched:
+            delattr(ADAPTER, attr)  # back to the class's method
+
+
+def _fit(strategy, case):
+    from accum_model import AccumModel
+    from accum_model._keras import keras
+    from tests import allreduce_counter
+    from tests import testing_utils as tu
+
+    replicas = strategy.num_replicas_in_sync
+    x, y = tu.regression_data(case["n"], seed=case.get("seed", 0))
+    steps = case["steps"]
+    fit_kwargs = {}
+    if case.get("validation"):
+        fit_kwargs["validation_data"] = tu.regression_data(6, seed=7)
+    with strategy.scope():
+        if case.get("plain") == "keras":
+            model = tu.mlp(keras.Model, seed=case.get("seed", 0))
+        elif case.get("plain"):
+            model = tu.mlp(_plain_model_class(), seed=case.get("seed", 0))
+        else:
+            model = tu.mlp(
+                AccumModel,
+                seed=case.get("seed", 0),
+                accum_steps=steps,
+                epoch_end=case.get("epoch_end", "apply"),
+            )
+        initial = model.get_weights()
+        allreduce_counter.reset()
+        history, trajectory = tu.train(
+            model,
+            x,
+            y,
+            batch_size=case["micro"] * replicas,
+            epochs=case.get("epochs", 2),
+            optimizer=case["optimizer"],
+            loss=LOSSES[case.get("loss", "mse")],
+            **fit_kwargs,
+        )
+    return {
+        "replicas": replicas,
+        "initial": _as_lists(initial),
+        "trajectory": [_as_lists(w) for w in trajectory],
+        "iterations": int(model.optimizer.iterations.numpy()),
+        "history": {k: [float(v) for v in vs]
+                    for k, vs in history.history.items()},
+        "allreduces": allreduce_counter.records(),
+        "num_variables": len(model.trainable_variables),
+    }
+
+
+def _loop_case(strategy, case):
+    """GradientAccumulator in a custom loop: strategy.run per micro-batch."""
+    from accum_model import GradientAccumulator
+    from tests import allreduce_counter
+    from tests import testing_utils as tu
+
+    replicas = strategy.num_replicas_in_sync
+    x, y = tu.regression_data(case["n"], seed=case.get("seed", 0))
+    with strategy.scope():
+        model = tu.mlp(tf.keras.Model, seed=case.get("seed", 0))
+        optimizer = tu.OPTIMIZERS[case["optimizer"]]()
+        accumulator = GradientAccumulator(
+            model.trainable_variables, accum_steps=case["steps"]
+        )
+    initial = model.get_weights()
+    dataset = strategy.experimental_distribute_dataset(
+        tu.as_dataset(x, y, case["micro"] * replicas)
+    )
+
+    def replica_step(xb, yb):
+        with tf.GradientTape() as tape:
+            # The local mean: the accumulator weights it by the local count
+            # and divides by the global count at apply.
+            loss = tf.reduce_mean(tf.square(model(xb, training=True) - yb))
+        grads = tape.gradient(loss, model.trainable_variables)
+        return accumulator.step(grads, optimizer, weight=tf.shape(xb)[0])
+
+    @tf.function
+    def train_step(xb, yb):
+        strategy.run(replica_step, args=(xb, yb))
+
+    @tf.function
+    def flush():
+        strategy.run(lambda: accumulator.apply(optimizer))
+
+    def iterations():
+        return int(optimizer.iterations.numpy())
+
+    allreduce_counter.reset()
+    trajectory = []
+    last = iterations()
+    for _ in range(case.get("epochs", 2)):
+        for xb, yb in dataset:
+            train_step(xb, yb)
+            if iterations() != last:
+                last = iterations()
+                trajectory.append(model.get_weights())
+        flush()
+        if iterations() != last:
+            last = iterations()
+            trajectory.append(model.get_weights())
+    return {
+        "replicas": replicas,
+        "initial": _as_lists(initial),
+        "trajectory": [_as_lists(w) for w in trajectory],
+        "iterations": iterations(),
+        "allreduces": allreduce_counter.records(),
+        "num_variables": len(model.trainable_variables),
+    }
+
+
+def main(argv):
+    from accum_model._keras import keras
+    config = getattr(keras, "config", None)
+    if hasattr(config, "disable_traceback_filtering"):
+        config.disable_traceback_filtering()  # full tracebacks in reports
+    del argv
+    # tf.distribute logs every traced collective at INFO.
+    logging.set_verbosity(logging.WARNING)
+    tf.get_logger().setLevel("ERROR")
+    strategy = _make_strategy(FLAGS.strategy)
+    from tests import allreduce_counter
+
+    allreduce_counter.install()
+    with open(FLAGS.cases) as f:
+        cases = json.load(f)
+    results = {}
+    for case in cases:
+        run = _loop_case if case.get("kind") == "loop" else _fit_case
+        try:
+            results[case["name"]] = run(strategy, case)
+        except Exception as e:  # Reported per case; the test fails on it.
+            import traceback
+
+            results[case["name"]] = {
+                "error": f"{type(e).__name__}: {e}",
+                "traceback": traceback.format_exc()[-4000:],
+            }
+    if FLAGS.output:
+        with open(FLAGS.output, "w") as f:
+            json.dump(results, f)
+
+
+if __name__ == "__main__":
+    flags.mark_flag_as_required("cases")
+    app.run(main)
