@@ -465,8 +465,8 @@ def main(argv):
     device = ", ".join(info["gpus"]) or f"CPU ({info['cpu_count']} cores)"
     print(f"B={micro}, N={n}, {repeats} interleaved repeats; ratios of "
           "samples/second, median (min-max) over repeats; "
-          f"{device}, TensorFlow {info['tensorflow']}, Keras "
-          f"{info['keras']}; {time.perf_counter() - started:.0f} s.")
+          f"{device}, TensorFlow {info['tensorflow']}, "
+          f"{'tf_keras' if LEGACY else 'Keras'} {info['keras']}; {time.perf_counter() - started:.0f} s.")
     if _JSON.value:
         with open(_JSON.value, "w") as f:
             json.dump({"machine": info,
