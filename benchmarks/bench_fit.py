@@ -74,6 +74,11 @@ _SECONDS = flags.DEFINE_float(
 _JIT_COMPILE = flags.DEFINE_enum(
     "jit_compile", "auto", ["auto", "true", "false"],
     "`jit_compile` for `compile` (auto: Keras' default, XLA on GPU only).")
+_CLOCK = flags.DEFINE_enum(
+    "clock", "wall", ["wall", "cpu"],
+    "What the rates divide by: wall-clock seconds, or CPU seconds of the "
+    "process (all threads; steadier than wall time on a machine shared with "
+    "other jobs, but it also counts threads that spin waiting for work).")
 _QUICK = flags.DEFINE_bool(
     "quick", False,
     "Tiny models, one repeat, a few steps: checks the program, times "
@@ -225,15 +230,15 @@ def _floor_class():
 
 
 class _Timer(keras.callbacks.Callback):
-    """Wall clock from the first batch's start to the end of the epoch."""
+    """Wall clock and process CPU time from the first batch to epoch end."""
 
     def on_train_batch_begin(self, batch, logs=None):
         if batch == 0:
-            self.start = time.perf_counter()
+            self.start = (time.perf_counter(), time.process_time())
 
     def on_epoch_end(self, epoch, logs=None):
         # After AccumModel's flush: its callback runs first.
-        self.end = time.perf_counter()
+        self.end = (time.perf_counter(), time.process_time())
 
 
 def _jit_kwargs():
@@ -260,8 +265,9 @@ class _Contender:
 
     def fit(self, steps):
         self.model.fit(self.dataset, epochs=1, steps_per_epoch=steps,
-                       verbose=0, callbacks=[self.timer])
-        return self.timer.end - self.timer.start
+                       shuffle=False, verbose=0, callbacks=[self.timer])
+        # (wall seconds, CPU seconds of all the process's threads)
+        return tuple(b - a for a, b in zip(self.timer.start, self.timer.end))
 
 
 def _build_contenders(workload, optimizer, micro, n, quick, samples):
@@ -301,7 +307,8 @@ def _state_bytes(variables):
         int(np.prod(v.shape)) * tf.as_dtype(v.dtype).size for v in variables)
 
 
-def run_one(workload, optimizer, micro, n, repeats, seconds, quick):
+def run_one(workload, optimizer, micro, n, repeats, seconds, quick,
+            clock="wall"):
     """Times the five contenders on one workload; returns a result dict."""
     samples = max(8 * micro * n, 512 if not quick else 0)
     contenders = _build_contenders(workload, optimizer, micro, n, quick,
@@ -318,7 +325,7 @@ def run_one(workload, optimizer, micro, n, repeats, seconds, quick):
     for c in contenders:
         c.model._bench_xla = _uses_xla(c.model)
         c.fit(micro_steps(c, 2 * n))
-    step_time = by_name["plain_B"].fit(2 * n) / (2 * n)
+    step_time = by_name["plain_B"].fit(2 * n)[0] / (2 * n)
     if quick:
         steps = n
     else:
@@ -327,10 +334,14 @@ def run_one(workload, optimizer, micro, n, repeats, seconds, quick):
         c.fit(micro_steps(c, n))
 
     rates = {c.name: [] for c in contenders}
+    cpu_rates = {c.name: [] for c in contenders}
     for _ in range(repeats):
         for c in contenders:
-            elapsed = c.fit(micro_steps(c, steps))
-            rates[c.name].append(steps * micro / elapsed)
+            wall, cpu = c.fit(micro_steps(c, steps))
+            rates[c.name].append(steps * micro / wall)
+            cpu_rates[c.name].append(steps * micro / max(cpu, 1e-9))
+    if clock == "cpu":
+        rates, cpu_rates = cpu_rates, rates
 
     accum = by_name["accum"].model
     engine = accum.gradient_accumulator
@@ -344,7 +355,11 @@ def run_one(workload, optimizer, micro, n, repeats, seconds, quick):
                               for v in accum.trainable_variables)),
         "xla": _uses_xla(accum),
         "timed_samples_per_fit": steps * micro,
+        "clock": clock,
         "samples_per_second": rates,
+        # The other clock's rates: samples per second of wall time, or per
+        # CPU-second of the process (all threads), whichever `clock` is not.
+        "samples_per_second_other_clock": cpu_rates,
         "median_samples_per_second": {
             k: statistics.median(v) for k, v in rates.items()},
         "ratios": {},
@@ -452,7 +467,7 @@ def main(argv):
     for workload in _WORKLOADS.value:
         for optimizer in _OPTIMIZERS.value:
             result = run_one(workload, optimizer, micro, n, repeats,
-                             _SECONDS.value, quick)
+                             _SECONDS.value, quick, _CLOCK.value)
             results.append(result)
             print(f"{workload} {optimizer}: "
                   + ", ".join(f"{k} {_fmt_ratio(v)}"
@@ -464,9 +479,10 @@ def main(argv):
     print()
     device = ", ".join(info["gpus"]) or f"CPU ({info['cpu_count']} cores)"
     print(f"B={micro}, N={n}, {repeats} interleaved repeats; ratios of "
-          "samples/second, median (min-max) over repeats; "
+          f"samples per {_CLOCK.value} second, median (min-max) over repeats; "
           f"{device}, TensorFlow {info['tensorflow']}, "
-          f"{'tf_keras' if LEGACY else 'Keras'} {info['keras']}; {time.perf_counter() - started:.0f} s.")
+          f"{'tf_keras' if LEGACY else 'Keras'} {info['keras']}; "
+          f"{time.perf_counter() - started:.0f} s.")
     if _JSON.value:
         with open(_JSON.value, "w") as f:
             json.dump({"machine": info,
@@ -474,6 +490,7 @@ def main(argv):
                                  "repeats": repeats,
                                  "seconds": _SECONDS.value,
                                  "jit_compile": _JIT_COMPILE.value,
+                                 "clock": _CLOCK.value,
                                  "quick": quick},
                        "contenders": list(CONTENDERS),
                        "results": results}, f, indent=2)
