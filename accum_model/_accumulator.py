@@ -406,9 +406,37 @@ class GradientAccumulator(tf.Module):
         self._micro_step.assign_add(1)
 
 
+def _in_xla_context():
+    """Whether the graph being traced is compiled by XLA (`jit_compile`)."""
+    try:
+        from tensorflow.python.ops import control_flow_util
+    except ImportError:  # A TensorFlow without it: use `tf.cond`.
+        return False
+    return control_flow_util.GraphOrParentsInXlaContext(
+        tf.compat.v1.get_default_graph()
+    )
+
+
 def _cond_with_merge(pred, true_fn):
     """`tf.cond(pred, true_fn, no-op)`, safe when `true_fn` all-reduces."""
     if not _in_replica_context_of_strategy():
+        if _in_xla_context():
+            # XLA turns a conditional whose branches are elementwise, as an
+            # optimizer update is, into a select of both: the update would
+            # run on every micro-batch (measured on CPU, MLP with 5.3M
+            # parameters, AdamW, N=4: AccumModel 0.8x plain fit). It never
+            # speculates a loop, so run `true_fn` in one with a trip count
+            # of 0 or 1 (same MLP: 44 -> 32 ms per micro-step).
+            def body(i):
+                true_fn()
+                return i + 1
+
+            tf.while_loop(
+                lambda i: i < tf.cast(pred, tf.int32),
+                body,
+                [tf.constant(0)],
+            )
+            return
 
         def branch():
             true_fn()
