@@ -285,7 +285,12 @@ class AccumModel(keras.Model):
         if all(layer.built for layer in self._flatten_layers()):
             self._accumulation.build()
         _warn_once_on_plain_batchnorm(self)
-        self._flush_function = None
+        # `fit` calls this on every call; the flush function (traced like the
+        # train function, with the same optimizer and `run_eagerly`) is stale
+        # only when the train function is rebuilt (after `compile`, or
+        # `force`). Clearing it on every call retraced it on every `fit`.
+        if force or self.train_function is None:
+            self._flush_function = None
         return super().make_train_function(force=force)
 
     def apply_accumulated(self):

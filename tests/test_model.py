@@ -320,6 +320,33 @@ class CompiledStepTest(tf.test.TestCase, parameterized.TestCase):
         self.assertLessEqual(type(model).traces, type(plain).traces)
         self.assertGreater(type(model).traces, 0)
 
+    def test_epoch_end_flush_traces_once_across_fit_calls(self):
+        # The flush that applies a partial window at epoch end is a
+        # `tf.function` of its own; like the train step, it must be traced
+        # once, not once per `fit` call.
+        x, y = tu.regression_data(22)
+        model = tu.mlp(AccumModel, accum_steps=4)
+        model.compile(tu.OPTIMIZERS["sgd"](), "mse")
+        made = []
+        original = AccumModel._make_flush_function
+
+        def recording(self, engine):
+            made.append(original(self, engine))
+            return made[-1]
+
+        with mock.patch.object(AccumModel, "_make_flush_function",
+                               recording):
+            for _ in range(3):
+                model.fit(x, y, batch_size=2, epochs=2, verbose=0)
+        traces = sum(f.experimental_get_tracing_count() for f in made)
+        self.assertEqual(traces, 1)
+        # A new `compile` (here: another optimizer) must rebuild it.
+        model.compile(tu.OPTIMIZERS["adam"](), "mse")
+        with mock.patch.object(AccumModel, "_make_flush_function",
+                               recording):
+            model.fit(x, y, batch_size=2, epochs=1, verbose=0)
+        self.assertLen(made, 2)
+
     def test_accum_steps_change_takes_effect_at_next_window(self):
         x, y = tu.regression_data(24)
         reference = tu.mlp(keras.Model)

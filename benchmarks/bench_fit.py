@@ -1,0 +1,503 @@
+"""Does accumulation cost anything? Five ways to train, timed side by side.
+
+For each workload and optimizer, in one process, this builds five models
+with the same weights and times `fit` on the same data (made here):
+
+  plain_B    plain `keras.Model.fit` at micro-batch B
+  accum      `AccumModel(accum_steps=N)` at micro-batch B
+  builtin    plain fit at B with the optimizer's own
+             `gradient_accumulation_steps=N` (Keras 3 only)
+  plain_NB   plain fit at batch N*B (the large batch it stands for)
+  floor      a train step that computes the micro-batch's loss and every
+             gradient, then discards them: forward and backward, nothing
+             else; no accumulation at micro-batch B can be faster
+
+Workloads: an MLP of ~5M parameters (optimizer-bound at small B), a small
+CNN on 32x32 images (compute-bound) and a small Transformer encoder over
+token sequences (its embedding gradients are sparse); SGD and AdamW.
+
+Every contender is traced and warmed up first; then the repeats run
+interleaved (plain_B accum builtin plain_NB floor, plain_B accum ...), each
+timing one `fit` call of the same number of samples, from its first batch to
+the end of the epoch (the epoch-end flush of `AccumModel` included). Ratios
+are taken within each repeat, so slow drifts of a shared machine cancel, and
+the table gives their median (with min..max over repeats).
+
+It also reports the accumulator's memory (every state variable of the
+engine, in bytes, against the bytes of the trainable weights), the number of
+Python traces of `train_step` for `accum` and `plain_B` over all the `fit`
+calls made here, and the traces of `AccumModel`'s epoch-end flush.
+
+    python benchmarks/bench_fit.py                  # ~5-8 min on 2 CPU cores
+    python benchmarks/bench_fit.py --quick          # smoke run, seconds
+    python benchmarks/bench_fit.py --json out.json --jit_compile=true
+
+Uses a GPU when TensorFlow sees one (Keras then compiles with XLA by
+default; `--jit_compile` overrides it).
+"""
+
+import json
+import math
+import os
+import platform
+import statistics
+import time
+
+from absl import app
+from absl import flags
+import numpy as np
+import tensorflow as tf
+
+import accum_model
+from accum_model import AccumModel
+from accum_model import _normalizers
+from accum_model._keras import ADAPTER
+from accum_model._keras import LEGACY
+from accum_model._keras import keras
+
+CONTENDERS = ("plain_B", "accum", "builtin", "plain_NB", "floor")
+WORKLOADS = ("mlp", "cnn", "transformer")
+OPTIMIZERS = ("sgd", "adamw")
+
+_WORKLOADS = flags.DEFINE_list(
+    "workloads", list(WORKLOADS), f"Which of {WORKLOADS} to run.")
+_OPTIMIZERS = flags.DEFINE_list(
+    "optimizers", list(OPTIMIZERS), f"Which of {OPTIMIZERS} to run.")
+_BATCH_SIZE = flags.DEFINE_integer("batch_size", 32, "Micro-batch size B.")
+_ACCUM_STEPS = flags.DEFINE_integer("accum_steps", 4, "N.")
+_REPEATS = flags.DEFINE_integer(
+    "repeats", 7, "Interleaved timed repeats per workload and optimizer.")
+_SECONDS = flags.DEFINE_float(
+    "seconds", 1.0,
+    "Target duration of one timed fit of plain_B; every contender of the "
+    "repeat trains on the same number of samples.")
+_JIT_COMPILE = flags.DEFINE_enum(
+    "jit_compile", "auto", ["auto", "true", "false"],
+    "`jit_compile` for `compile` (auto: Keras' default, XLA on GPU only).")
+_CLOCK = flags.DEFINE_enum(
+    "clock", "wall", ["wall", "cpu"],
+    "What the rates divide by: wall-clock seconds, or CPU seconds of the "
+    "process (all threads; steadier than wall time on a machine shared with "
+    "other jobs, but it also counts threads that spin waiting for work).")
+_QUICK = flags.DEFINE_bool(
+    "quick", False,
+    "Tiny models, one repeat, a few steps: checks the program, times "
+    "nothing worth reading.")
+_JSON = flags.DEFINE_string("json", None, "Also write the results here.")
+
+
+# Workloads. Each returns (inputs, outputs, x, y): a functional graph built
+# from fresh layers (weights seeded by the caller) and in-memory data.
+
+
+class _PositionEmbedding(keras.layers.Layer):
+    """Adds a learned embedding of each position."""
+
+    def build(self, input_shape):
+        self.positions = self.add_weight(
+            shape=tuple(input_shape[1:]), initializer="glorot_uniform",
+            name="positions")
+
+    def call(self, x):
+        return x + self.positions
+
+
+def _mlp(quick, samples):
+    # 512 -> 2048 -> 2048 -> 10: 5.27M parameters, so at B=32 the optimizer
+    # and the accumulator (passes over 5M floats) weigh as much as the math.
+    width, features = (64, 32) if quick else (2048, 512)
+    inputs = keras.Input((features,))
+    h = keras.layers.Dense(width, activation="relu")(inputs)
+    h = keras.layers.Dense(width, activation="relu")(h)
+    outputs = keras.layers.Dense(10)(h)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(samples, features)).astype("float32")
+    y = rng.integers(0, 10, size=(samples,)).astype("int32")
+    return inputs, outputs, x, y
+
+
+def _cnn(quick, samples):
+    channels = 4 if quick else 16
+    side = 8 if quick else 32
+    inputs = keras.Input((side, side, 3))
+    h = inputs
+    for i in range(2):
+        h = keras.layers.Conv2D(channels * 2**i, 3, padding="same",
+                                activation="relu")(h)
+        h = keras.layers.Conv2D(channels * 2**i, 3, padding="same",
+                                activation="relu")(h)
+        h = keras.layers.MaxPooling2D()(h)
+    h = keras.layers.GlobalAveragePooling2D()(h)
+    h = keras.layers.Dense(64, activation="relu")(h)
+    outputs = keras.layers.Dense(10)(h)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(samples, side, side, 3)).astype("float32")
+    y = rng.integers(0, 10, size=(samples,)).astype("int32")
+    return inputs, outputs, x, y
+
+
+def _transformer(quick, samples):
+    # Two pre-norm encoder blocks over 64 tokens; the token embedding's
+    # gradient is an IndexedSlices, so the sparse path is measured too.
+    vocab, length, dim, heads, blocks = (
+        (100, 8, 16, 2, 1) if quick else (4000, 64, 64, 4, 2))
+    inputs = keras.Input((length,), dtype="int32")
+    h = keras.layers.Embedding(vocab, dim)(inputs)
+    h = _PositionEmbedding()(h)
+    for _ in range(blocks):
+        a = keras.layers.LayerNormalization()(h)
+        a = keras.layers.MultiHeadAttention(heads, dim // heads)(a, a)
+        h = keras.layers.Add()([h, a])
+        f = keras.layers.LayerNormalization()(h)
+        f = keras.layers.Dense(4 * dim, activation="gelu")(f)
+        f = keras.layers.Dense(dim)(f)
+        h = keras.layers.Add()([h, f])
+    h = keras.layers.LayerNormalization()(h)
+    h = keras.layers.GlobalAveragePooling1D()(h)
+    outputs = keras.layers.Dense(10)(h)
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, vocab, size=(samples, length)).astype("int32")
+    y = rng.integers(0, 10, size=(samples,)).astype("int32")
+    return inputs, outputs, x, y
+
+
+_BUILDERS = {"mlp": _mlp, "cnn": _cnn, "transformer": _transformer}
+
+
+def _optimizer(name, **kwargs):
+    if name == "sgd":
+        return keras.optimizers.SGD(learning_rate=0.01, **kwargs)
+    return keras.optimizers.AdamW(learning_rate=1e-3, weight_decay=0.01,
+                                  **kwargs)
+
+
+# Contenders. Each model class counts the Python traces of its train step.
+
+
+def _counting(base):
+    class Counting(base):
+        traces = 0
+
+        def train_step(self, data):
+            type(self).traces += 1
+            return super().train_step(data)
+
+    return Counting
+
+
+def _floor_class():
+    class Floor(keras.Model):
+        """Forward and backward at micro-batch B; the gradients are dropped.
+
+        The step is AccumModel's minus accumulating and applying: the same
+        forward pass, loss, loss tracking and metrics, and the gradient of
+        every trainable variable. The gradients must feed a value the step
+        returns, or TensorFlow drops them (a control dependency is not
+        enough: Grappler turns stateless ops that feed only control edges
+        into no-ops). So the step returns one element of each gradient,
+        summed: a few scalar ops. Under XLA, which could compute a single
+        element of a matmul, each gradient is summed whole instead: one
+        extra read of every gradient, so there the floor is a little slower
+        than the true limit.
+        """
+
+        traces = 0
+
+        def train_step(self, data):
+            type(self).traces += 1
+            x, y, sample_weight = ADAPTER.unpack(data)
+            with tf.GradientTape() as tape:
+                y_pred = ADAPTER.forward(self, x)
+                loss = ADAPTER.compute_loss(self, x, y, y_pred, sample_weight)
+                ADAPTER.track_loss(self, loss, _normalizers.batch_size(x, y))
+            grads = tape.gradient(loss, self.trainable_variables)
+            picks = []
+            for g in grads:
+                if isinstance(g, tf.IndexedSlices):
+                    g = g.values
+                if g is None:
+                    continue
+                if self._bench_xla:
+                    picks.append(tf.reduce_sum(tf.cast(g, tf.float32)))
+                else:
+                    picks.append(tf.cast(tf.reshape(g, [-1])[0], tf.float32))
+            logs = dict(ADAPTER.compute_metrics(self, x, y, y_pred,
+                                                sample_weight))
+            logs["gradient_checksum"] = tf.add_n(picks)
+            return logs
+
+    return Floor
+
+
+class _Timer(keras.callbacks.Callback):
+    """Wall clock and process CPU time from the first batch to epoch end."""
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if batch == 0:
+            self.start = (time.perf_counter(), time.process_time())
+
+    def on_epoch_end(self, epoch, logs=None):
+        # After AccumModel's flush: its callback runs first.
+        self.end = (time.perf_counter(), time.process_time())
+
+
+def _jit_kwargs():
+    value = _JIT_COMPILE.value
+    if value == "auto":
+        return {}
+    return {"jit_compile": value == "true"}
+
+
+def _uses_xla(model):
+    jit = getattr(model, "jit_compile", None)
+    if jit is None:
+        jit = getattr(model, "_jit_compile", False)
+    return bool(jit)
+
+
+class _Contender:
+    def __init__(self, name, model, batch_size):
+        self.name = name
+        self.model = model
+        self.batch_size = batch_size
+        self.timer = _Timer()
+        self.dataset = None
+        self.fit_calls = 0
+
+    def fit(self, steps):
+        self.fit_calls += 1
+        self.model.fit(self.dataset, epochs=1, steps_per_epoch=steps,
+                       shuffle=False, verbose=0, callbacks=[self.timer])
+        # (wall seconds, CPU seconds of all the process's threads)
+        return tuple(b - a for a, b in zip(self.timer.start, self.timer.end))
+
+
+def _build_contenders(workload, optimizer, micro, n, quick, samples):
+    builder = _BUILDERS[workload]
+    names = [c for c in CONTENDERS if not (c == "builtin" and LEGACY)]
+    contenders = []
+    for name in names:
+        keras.utils.set_random_seed(0)
+        inputs, outputs, x, y = builder(quick, samples)
+        if name == "accum":
+            cls, kwargs = _counting(AccumModel), {"accum_steps": n}
+        elif name == "floor":
+            cls, kwargs = _floor_class(), {}
+        else:
+            cls, kwargs = _counting(keras.Model), {}
+        model = cls(inputs=inputs, outputs=outputs, **kwargs)
+        opt_kwargs = (
+            {"gradient_accumulation_steps": n} if name == "builtin" else {})
+        model.compile(
+            optimizer=_optimizer(optimizer, **opt_kwargs),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            **_jit_kwargs())
+        model._bench_xla = False
+        batch = micro * n if name == "plain_NB" else micro
+        contender = _Contender(name, model, batch)
+        contender.dataset = (
+            tf.data.Dataset.from_tensor_slices((x, y))
+            .repeat()
+            .batch(batch, drop_remainder=True)
+            .prefetch(tf.data.AUTOTUNE))
+        contenders.append(contender)
+    return contenders
+
+
+def _state_bytes(variables):
+    return sum(
+        int(np.prod(v.shape)) * tf.as_dtype(v.dtype).size for v in variables)
+
+
+def run_one(workload, optimizer, micro, n, repeats, seconds, quick,
+            clock="wall"):
+    """Times the five contenders on one workload; returns a result dict."""
+    samples = max(8 * micro * n, 512 if not quick else 0)
+    contenders = _build_contenders(workload, optimizer, micro, n, quick,
+                                   samples)
+    by_name = {c.name: c for c in contenders}
+
+    def micro_steps(c, steps):
+        # Every contender trains on `steps * micro` samples per timed fit.
+        return steps // n if c.name == "plain_NB" else steps
+
+    # Warm up: the first fit traces and builds (Floor learns whether the
+    # step is XLA-compiled only after compile resolved `jit_compile`, so it
+    # is set before its first trace), the second runs what is timed.
+    for c in contenders:
+        c.model._bench_xla = _uses_xla(c.model)
+        c.fit(micro_steps(c, 2 * n))
+    step_time = by_name["plain_B"].fit(2 * n)[0] / (2 * n)
+    if quick:
+        steps = n
+    else:
+        steps = max(2, math.ceil(seconds / max(step_time, 1e-6) / n)) * n
+    for c in contenders:
+        c.fit(micro_steps(c, n))
+
+    rates = {c.name: [] for c in contenders}
+    cpu_rates = {c.name: [] for c in contenders}
+    for _ in range(repeats):
+        for c in contenders:
+            wall, cpu = c.fit(micro_steps(c, steps))
+            rates[c.name].append(steps * micro / wall)
+            cpu_rates[c.name].append(steps * micro / max(cpu, 1e-9))
+    if clock == "cpu":
+        rates, cpu_rates = cpu_rates, rates
+
+    accum = by_name["accum"].model
+    engine = accum.gradient_accumulator
+    params = _state_bytes(accum.trainable_variables)
+    result = {
+        "workload": workload,
+        "optimizer": optimizer,
+        "micro_batch": micro,
+        "accum_steps": n,
+        "parameters": int(sum(np.prod(v.shape)
+                              for v in accum.trainable_variables)),
+        "xla": _uses_xla(accum),
+        "timed_samples_per_fit": steps * micro,
+        "clock": clock,
+        "samples_per_second": rates,
+        # The other clock's rates: samples per second of wall time, or per
+        # CPU-second of the process (all threads), whichever `clock` is not.
+        "samples_per_second_other_clock": cpu_rates,
+        "median_samples_per_second": {
+            k: statistics.median(v) for k, v in rates.items()},
+        "ratios": {},
+        "memory": {
+            "trainable_parameter_bytes": params,
+            "accumulator_state_bytes": _state_bytes(engine.state_variables),
+        },
+        "traces": {
+            "accum": type(accum).traces,
+            "plain_B": type(by_name["plain_B"].model).traces,
+            "accum_epoch_end_flush": (
+                accum._flush_function.experimental_get_tracing_count()
+                if hasattr(accum._flush_function,
+                           "experimental_get_tracing_count") else 0),
+            "fit_calls": {"accum": by_name["accum"].fit_calls,
+                          "plain_B": by_name["plain_B"].fit_calls},
+        },
+    }
+    result["memory"]["accumulator_over_parameters"] = (
+        result["memory"]["accumulator_state_bytes"] / params)
+    if "builtin" in by_name:
+        optimizer_obj = by_name["builtin"].model.optimizer
+        builtin_vars = getattr(optimizer_obj, "_accumulated_gradients", [])
+        result["memory"]["builtin_accumulator_bytes"] = _state_bytes(
+            builtin_vars)
+    for reference in ("plain_B", "builtin", "plain_NB", "floor"):
+        if reference not in rates:
+            continue
+        per_repeat = [a / b for a, b in zip(rates["accum"], rates[reference])]
+        result["ratios"][f"accum/{reference}"] = {
+            "median": statistics.median(per_repeat),
+            "min": min(per_repeat),
+            "max": max(per_repeat),
+            "per_repeat": per_repeat,
+        }
+    return result
+
+
+def machine_info():
+    gpus = tf.config.list_physical_devices("GPU")
+    names = []
+    for gpu in gpus:
+        details = tf.config.experimental.get_device_details(gpu)
+        names.append(details.get("device_name", gpu.name))
+    return {
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "gpus": names,
+        "tensorflow": tf.__version__,
+        "keras": keras.__version__ if hasattr(keras, "__version__") else "",
+        "keras_generation": ADAPTER.generation,
+        "accum_model": getattr(accum_model, "__version__", ""),
+    }
+
+
+def _fmt_ratio(r):
+    if r is None:
+        return "-"
+    return f"{r['median']:.3f} ({r['min']:.2f}-{r['max']:.2f})"
+
+
+def format_table(results):
+    """The results as a Markdown table (ratios: median (min-max))."""
+    header = ("| workload | optimizer | params | samples/s plain_B | "
+              "accum / plain_B | accum / built-in | accum / floor | "
+              "accum / plain_NB | accumulator / params bytes | "
+              "traces accum / plain_B |")
+    lines = [header, "|" + "---|" * (header.count("|") - 1)]
+    for r in results:
+        ratios = r["ratios"]
+        mem = r["memory"]
+        lines.append(
+            f"| {r['workload']} | {r['optimizer']} | "
+            f"{r['parameters'] / 1e6:.2f}M | "
+            f"{r['median_samples_per_second']['plain_B']:.0f} | "
+            f"{_fmt_ratio(ratios.get('accum/plain_B'))} | "
+            f"{_fmt_ratio(ratios.get('accum/builtin'))} | "
+            f"{_fmt_ratio(ratios.get('accum/floor'))} | "
+            f"{_fmt_ratio(ratios.get('accum/plain_NB'))} | "
+            f"{mem['accumulator_over_parameters']:.4f}x | "
+            f"{r['traces']['accum']} / {r['traces']['plain_B']} |")
+    return "\n".join(lines)
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError("Too many command-line arguments.")
+    for name, values, known in (("workloads", _WORKLOADS.value, WORKLOADS),
+                                ("optimizers", _OPTIMIZERS.value,
+                                 OPTIMIZERS)):
+        unknown = [v for v in values if v not in known]
+        if unknown or not values:
+            raise app.UsageError(
+                f"`--{name}` must be a list of {known}. "
+                f"Received: {name}={values!r}")
+    # Each model's flush is its own tf.function, traced once; TensorFlow's
+    # retracing warning counts them together across the models built here.
+    tf.get_logger().setLevel("ERROR")
+    quick = _QUICK.value
+    repeats = 1 if quick else _REPEATS.value
+    micro = 4 if quick else _BATCH_SIZE.value
+    n = 2 if quick else _ACCUM_STEPS.value
+    results = []
+    started = time.perf_counter()
+    for workload in _WORKLOADS.value:
+        for optimizer in _OPTIMIZERS.value:
+            result = run_one(workload, optimizer, micro, n, repeats,
+                             _SECONDS.value, quick, _CLOCK.value)
+            results.append(result)
+            print(f"{workload} {optimizer}: "
+                  + ", ".join(f"{k} {_fmt_ratio(v)}"
+                              for k, v in result["ratios"].items()),
+                  flush=True)
+    info = machine_info()
+    print()
+    print(format_table(results))
+    print()
+    device = ", ".join(info["gpus"]) or f"CPU ({info['cpu_count']} cores)"
+    print(f"B={micro}, N={n}, {repeats} interleaved repeats; ratios of "
+          f"samples per {_CLOCK.value} second, median (min-max) over repeats; "
+          f"{device}, TensorFlow {info['tensorflow']}, "
+          f"{'tf_keras' if LEGACY else 'Keras'} {info['keras']}; "
+          f"{time.perf_counter() - started:.0f} s.")
+    if _JSON.value:
+        with open(_JSON.value, "w") as f:
+            json.dump({"machine": info,
+                       "flags": {"batch_size": micro, "accum_steps": n,
+                                 "repeats": repeats,
+                                 "seconds": _SECONDS.value,
+                                 "jit_compile": _JIT_COMPILE.value,
+                                 "clock": _CLOCK.value,
+                                 "quick": quick},
+                       "contenders": list(CONTENDERS),
+                       "results": results}, f, indent=2)
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,83 @@
+"""benchmarks/bench_fit.py runs end to end and reports what it promises.
+
+No timing is asserted (the machine is shared); the checks are on what the
+run must report whatever the speed: every contender and workload, positive
+rates, the accumulator's memory and the train step's trace counts.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+import tensorflow as tf
+
+from accum_model import GradientAccumulator
+from accum_model._keras import LEGACY
+from accum_model._keras import keras
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class BenchFitTest(tf.test.TestCase):
+    def test_quick_run_reports_every_contender_and_workload(self):
+        path = os.path.join(tempfile.mkdtemp(), "bench.json")
+        env = dict(os.environ, PYTHONPATH=_ROOT, TF_CPP_MIN_LOG_LEVEL="2")
+        result = subprocess.run(
+            [sys.executable, os.path.join(_ROOT, "benchmarks", "bench_fit.py"),
+             "--quick", "--optimizers=adamw", f"--json={path}"],
+            capture_output=True, text=True, timeout=300, env=env, check=False,
+        )
+        self.assertEqual(result.returncode, 0, result.stderr[-3000:])
+        with open(path) as f:
+            report = json.load(f)
+
+        contenders = ["plain_B", "accum", "plain_NB", "floor"]
+        if not LEGACY:  # tf_keras' optimizers have no built-in option.
+            contenders.append("builtin")
+        workloads = [r["workload"] for r in report["results"]]
+        self.assertCountEqual(workloads, ["mlp", "cnn", "transformer"])
+        for r in report["results"]:
+            self.assertCountEqual(r["samples_per_second"], contenders)
+            for rates in r["samples_per_second"].values():
+                self.assertNotEmpty(rates)
+                self.assertTrue(all(rate > 0 for rate in rates))
+            for reference in contenders[:1] + contenders[2:]:
+                ratio = r["ratios"][f"accum/{reference}"]["median"]
+                self.assertGreater(ratio, 0)
+            # One float32 copy of the weights, plus a few scalar counters.
+            memory = r["memory"]
+            self.assertBetween(memory["accumulator_over_parameters"],
+                               1.0, 1.05)
+            # Traced no more than plain fit, and not per fit call (Keras 3
+            # traces once; tf_keras twice, plain fit as well).
+            traces = r["traces"]
+            self.assertBetween(traces["accum"], 1, 2)
+            self.assertLessEqual(traces["accum"], traces["plain_B"])
+            self.assertEqual(traces["accum_epoch_end_flush"], 1)
+            self.assertGreater(traces["fit_calls"]["accum"], 2)
+            # The table row of this workload is printed.
+            self.assertIn(f"| {r['workload']} | adamw |", result.stdout)
+
+
+class XlaApplyTest(tf.test.TestCase):
+    def test_xla_keeps_the_apply_out_of_every_micro_step(self):
+        # XLA turns a `tf.cond` with elementwise branches (an optimizer
+        # update) into a select of both, running the update on every
+        # micro-batch; the engine applies in a loop XLA does not speculate.
+        variable = tf.Variable([1.0, 2.0])
+        optimizer = keras.optimizers.Adam(0.1)
+        accumulator = GradientAccumulator([variable], accum_steps=2)
+        step = tf.function(lambda g: accumulator.step([g], optimizer),
+                           jit_compile=True)
+        grad = tf.constant([1.0, 1.0])
+        for _ in range(4):
+            step(grad)
+        self.assertEqual(int(optimizer.iterations), 2)
+        hlo = step.experimental_get_compiler_ir(grad)(stage="optimized_hlo")
+        self.assertIn("while", hlo)
+
+
+if __name__ == "__main__":
+    tf.test.main()
