@@ -13,7 +13,9 @@ process that already ran TensorFlow cannot do.
 worker process that `TF_CONFIG` names. Every case reports the weights it
 started from and the weights after every optimizer update, plus the
 all-reduces it executed (tests/allreduce_counter.py); the test process
-computes the single-device reference itself.
+computes the single-device reference itself. A case with `loss_scale`
+trains under its `policy` with a `LossScaleOptimizer` and also reports the
+final loss scale and `skipped_microbatches`.
 """
 
 import json
@@ -129,25 +131,37 @@ _DISABLE = {
 
 def _fit_case(strategy, case):
     from accum_model._keras import ADAPTER
+    from accum_model._keras import keras
 
     patched = [_DISABLE[name] for name in case.get("disable", [])]
+    policy = keras.mixed_precision.global_policy()
     try:
         for attr, replacement in patched:
             setattr(ADAPTER, attr, replacement)
+        if case.get("policy"):
+            keras.mixed_precision.set_global_policy(case["policy"])
         return _fit(strategy, case)
     finally:
+        # Later cases in this process run under the policy they started
+        # with, also after a failure.
+        keras.mixed_precision.set_global_policy(policy)
         for attr, _ in patched:
             delattr(ADAPTER, attr)  # back to the class's method
 
 
 def _fit(strategy, case):
     from accum_model import AccumModel
+    from accum_model._keras import ADAPTER
     from accum_model._keras import keras
     from tests import allreduce_counter
     from tests import testing_utils as tu
 
     replicas = strategy.num_replicas_in_sync
     x, y = tu.regression_data(case["n"], seed=case.get("seed", 0))
+    for index in case.get("overflow", []):
+        # Beyond float16's 65504: the micro-batch holding this sample
+        # overflows on the one replica whose shard holds it.
+        x[index] = 1e6
     steps = case["steps"]
     fit_kwargs = {}
     if case.get("validation"):
@@ -165,6 +179,13 @@ def _fit(strategy, case):
                 epoch_end=case.get("epoch_end", "apply"),
             )
         initial = model.get_weights()
+        optimizer = case["optimizer"]
+        if case.get("loss_scale"):
+            # In the scope: Keras 3 creates `iterations` in the constructor,
+            # and one created outside would count every replica's update.
+            optimizer = keras.mixed_precision.LossScaleOptimizer(
+                tu.OPTIMIZERS[optimizer](), initial_scale=case["loss_scale"]
+            )
         allreduce_counter.reset()
         history, trajectory = tu.train(
             model,
@@ -172,11 +193,16 @@ def _fit(strategy, case):
             y,
             batch_size=case["micro"] * replicas,
             epochs=case.get("epochs", 2),
-            optimizer=case["optimizer"],
+            optimizer=optimizer,
             loss=LOSSES[case.get("loss", "mse")],
             **fit_kwargs,
         )
+    extra = {}
+    if case.get("loss_scale"):
+        extra["loss_scale"] = float(ADAPTER.loss_scale(model.optimizer))
+        extra["skipped_microbatches"] = model.skipped_microbatches
     return {
+        **extra,
         "replicas": replicas,
         "initial": _as_lists(initial),
         "trajectory": [_as_lists(w) for w in trajectory],

@@ -54,6 +54,20 @@ _FIT_CASES = {
                                                micro=2, steps=3,
                                                loss="scalar_mse"),
 }
+# mixed_float16: sample 6 is 1e6, beyond float16's range. With global
+# micro-batches of 2*2 samples it is in micro-batch 1, and in replica 1's
+# shard of it only (replica 0 gets samples 4, 5). Windows of N=2: (0, 1),
+# (2, 3); 1 epoch, so exactly one micro-batch overflows. Initial scale 256,
+# as in tests/test_mixed_precision.py: with the default 2**15 an ordinary
+# micro-batch of this model overflows too under tf_keras (measured: 2
+# skipped, scale 8192), and the test must choose which one overflows.
+_OVERFLOW_CASES = {
+    "sgd_mixed_float16_one_replica_overflows": dict(
+        optimizer="sgd", n=16, micro=2, steps=2, epochs=1,
+        policy="mixed_float16", loss_scale=256.0, overflow=[6],
+        kept_windows=[[0], [2, 3]],
+    ),
+}
 # Cases that are not compared with the large batch.
 _OTHER_CASES = {
     # Keras' own train_step (with only the MWMS workarounds), for the
@@ -83,7 +97,8 @@ _LOOP_CASES = {
 
 
 def _cases(multi_worker):
-    cases = dict(_FIT_CASES, **_LOOP_CASES, **_OTHER_CASES)
+    cases = dict(_FIT_CASES, **_LOOP_CASES, **_OVERFLOW_CASES,
+                 **_OTHER_CASES)
     if multi_worker and not LEGACY:
         cases.update(_WORKAROUND_CASES)
     return [dict(case, name=name) for name, case in cases.items()]
@@ -196,6 +211,43 @@ def _reference(result, case):
     return history, trajectory
 
 
+def _kept_windows_reference(result, case):
+    """Plain single-device mixed_float16 training, one batch per window.
+
+    Each window's batch holds the global micro-batches (2*B samples each)
+    that were kept: the overflowing one is dropped entirely, both replicas'
+    shards of it. Under the same policy and initial scale as the run, so
+    both sides round their forward passes to float16 alike.
+    """
+    x, y = tu.regression_data(case["n"], seed=case.get("seed", 0))
+    x[case["overflow"]] = 1e6
+    micro = case["micro"] * _REPLICAS
+    policy = keras.mixed_precision.global_policy()
+    keras.mixed_precision.set_global_policy(case["policy"])
+    try:
+        model = tu.mlp(keras.Model)
+        model.set_weights(
+            [np.asarray(w, np.float32) for w in result["initial"]]
+        )
+        model.compile(
+            optimizer=keras.mixed_precision.LossScaleOptimizer(
+                tu.OPTIMIZERS[case["optimizer"]](),
+                initial_scale=case["loss_scale"],
+            ),
+            loss="mse",
+        )
+        trajectory = []
+        for window in case["kept_windows"]:
+            rows = np.concatenate(
+                [np.arange(k * micro, (k + 1) * micro) for k in window]
+            )
+            model.train_on_batch(x[rows], y[rows])
+            trajectory.append(model.get_weights())
+    finally:
+        keras.mixed_precision.set_global_policy(policy)
+    return trajectory
+
+
 class _DistributeTestBase(tf.test.TestCase, parameterized.TestCase):
     """Runs every case once per class; each test checks one case."""
 
@@ -259,6 +311,37 @@ class _DistributeTestBase(tf.test.TestCase, parameterized.TestCase):
         result = self._result(name)
         _, expected = _reference(result, case)
         tu.assert_same_trajectory(self, expected, self._actual(result))
+
+    @parameterized.named_parameters(
+        (name, name) for name in _OVERFLOW_CASES
+    )
+    def test_one_replica_overflow_skips_on_every_replica(self, name):
+        # Only replica 1's shard of one micro-batch overflows; the flag is
+        # summed across replicas, so both leave that micro-batch out, and
+        # the result is the large batch without it. A replica-local flag
+        # would keep replica 0's shard in its window and leave the scale
+        # alone (merge_call takes replica 0's flag).
+        case = _OVERFLOW_CASES[name]
+        result = self._result(name)
+        expected = _kept_windows_reference(result, case)
+        actual = self._actual(result)
+        for weights in actual:
+            self.assertTrue(all(np.all(np.isfinite(w)) for w in weights))
+        # Both sides run float16 forward and backward passes; they differ
+        # in how float16 gradient sums are split (2-sample shards against
+        # whole batches): measured 1.8e-5 (Keras 3) and 2.1e-5 (tf_keras),
+        # under both strategies, where the weights move by 4e-2 to 8e-2; a
+        # float32 reference differs by 4e-5, hence the mixed_float16 one.
+        # A replica-local flag misses by 2.4e-2, far above 1e-4 (the bound
+        # tests/test_mixed_precision.py uses too).
+        tu.assert_same_trajectory(self, expected, actual, atol=1e-4)
+        self.assertEqual(result["iterations"], len(case["kept_windows"]))
+        self.assertEqual(result["skipped_microbatches"], 1)
+        # Equal on both replicas: not 2 (summed) or 0.5 (one replica's
+        # 1 averaged with another's 0).
+        self.assertEqual(result["history"]["skipped_microbatches"], [1.0])
+        # Halved once, from 256.
+        self.assertEqual(result["loss_scale"], 128.0)
 
     def _gradient_reductions(self, result):
         # A batch with one tensor per trainable variable is the optimizer's
