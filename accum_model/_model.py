@@ -28,7 +28,38 @@ def validate_epoch_end(epoch_end):
     return epoch_end
 
 
-class AccumModel(keras.Model):
+class MultiWorkerFitWorkarounds:
+    """Makes Keras 3.15's `fit` run under MultiWorkerMirroredStrategy.
+
+    A mixin for a `keras.Model` (put it first among the bases). Keras' `fit`
+    fails there on CPU for any model: see
+    `_Keras3Adapter.symbolic_build_arguments` and
+    `logs_for_replica_reduction`, both no-ops elsewhere and under tf_keras.
+    `AccumModel` has it; tests and benchmarks put it on the plain
+    `keras.Model` they compare with, so that both run under the strategy.
+    """
+
+    def train_step(self, data):
+        return ADAPTER.logs_for_replica_reduction(
+            self, super().train_step(data)
+        )
+
+    def test_step(self, data):
+        return ADAPTER.logs_for_replica_reduction(
+            self, super().test_step(data)
+        )
+
+    def _maybe_symbolic_build(self, iterator=None, data_batch=None):
+        # Keras 3 only (tf_keras never calls it).
+        iterator, data_batch = ADAPTER.symbolic_build_arguments(
+            self, iterator, data_batch
+        )
+        return super()._maybe_symbolic_build(
+            iterator=iterator, data_batch=data_batch
+        )
+
+
+class AccumModel(MultiWorkerFitWorkarounds, keras.Model):
     """A `tf.keras.Model` that trains as if its batch were `accum_steps` larger.
 
     `fit` feeds micro-batches of `batch_size` samples; `AccumModel` keeps the
@@ -256,24 +287,9 @@ class AccumModel(keras.Model):
         if logs:
             metrics = dict(metrics)
             metrics.update(logs)
+        # Its own train step, so it reshapes its logs itself (see
+        # `MultiWorkerFitWorkarounds`).
         return ADAPTER.logs_for_replica_reduction(self, metrics)
-
-    def test_step(self, data):
-        # Only to make the logs reducible under MultiWorkerMirroredStrategy
-        # (see `logs_for_replica_reduction`); evaluation is Keras' own.
-        return ADAPTER.logs_for_replica_reduction(
-            self, super().test_step(data)
-        )
-
-    def _maybe_symbolic_build(self, iterator=None, data_batch=None):
-        # Keras 3 only (tf_keras never calls it): builds from a local shard
-        # under MultiWorkerMirroredStrategy (see `symbolic_build_arguments`).
-        iterator, data_batch = ADAPTER.symbolic_build_arguments(
-            self, iterator, data_batch
-        )
-        return super()._maybe_symbolic_build(
-            iterator=iterator, data_batch=data_batch
-        )
 
     def _apply_gradients(self, grads, variables):
         ADAPTER.apply_gradients(self.optimizer, grads, variables)

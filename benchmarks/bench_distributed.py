@@ -135,9 +135,9 @@ def _run_worker():
     strategy = tf.distribute.MultiWorkerMirroredStrategy()
 
     from accum_model import AccumModel
-    from accum_model._keras import ADAPTER
     from accum_model._keras import LEGACY
     from accum_model._keras import keras
+    from accum_model._model import MultiWorkerFitWorkarounds
     from tests import allreduce_counter
 
     allreduce_counter.install()
@@ -148,19 +148,11 @@ def _run_worker():
     x = rng.normal(size=(samples, _INPUT.value)).astype("float32")
     y = rng.normal(size=(samples, 10)).astype("float32")
 
-    class PlainModel(keras.Model):
+    class PlainModel(MultiWorkerFitWorkarounds, keras.Model):
         # Keras' own train_step; only AccumModel's workarounds for Keras
         # 3.15's fit under MultiWorkerMirroredStrategy, without which plain
         # fit does not run there at all.
-        def train_step(self, data):
-            return ADAPTER.logs_for_replica_reduction(
-                self, super().train_step(data))
-
-        def _maybe_symbolic_build(self, iterator=None, data_batch=None):
-            iterator, data_batch = ADAPTER.symbolic_build_arguments(
-                self, iterator, data_batch)
-            return super()._maybe_symbolic_build(
-                iterator=iterator, data_batch=data_batch)
+        pass
 
     def build(cls, **kwargs):
         keras.utils.set_random_seed(0)

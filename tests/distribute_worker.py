@@ -66,29 +66,11 @@ def _as_lists(weights):
 
 
 def _plain_model_class():
-    from accum_model._keras import ADAPTER
     from accum_model._keras import keras
+    from accum_model._model import MultiWorkerFitWorkarounds
 
-    class PlainModel(keras.Model):
+    class PlainModel(MultiWorkerFitWorkarounds, keras.Model):
         """Keras' own train_step, plus only AccumModel's MWMS workarounds."""
-
-        def train_step(self, data):
-            return ADAPTER.logs_for_replica_reduction(
-                self, super().train_step(data)
-            )
-
-        def test_step(self, data):
-            return ADAPTER.logs_for_replica_reduction(
-                self, super().test_step(data)
-            )
-
-        def _maybe_symbolic_build(self, iterator=None, data_batch=None):
-            iterator, data_batch = ADAPTER.symbolic_build_arguments(
-                self, iterator, data_batch
-            )
-            return super()._maybe_symbolic_build(
-                iterator=iterator, data_batch=data_batch
-            )
 
     return PlainModel
 
