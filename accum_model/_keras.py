@@ -235,21 +235,20 @@ class _Keras3Adapter:
         return tf.cast(tf.convert_to_tensor(optimizer.dynamic_scale),
                        tf.float32)
 
-    def update_loss_scale(self, optimizer, is_finite):
-        """Moves the scale one micro-batch on, by Keras' dynamic rule."""
-        from accum_model import _mixed_precision
+    def dynamic_loss_scale(self, optimizer):
+        """Where a loss-scale optimizer keeps its dynamic scale.
 
-        def assign(flag):
-            scale, counter = _mixed_precision.next_scale_and_counter(
-                tf.convert_to_tensor(optimizer.dynamic_scale),
-                tf.convert_to_tensor(optimizer.step_counter),
-                flag,
-                optimizer.dynamic_growth_steps,
-            )
-            optimizer.dynamic_scale.assign(scale)
-            optimizer.step_counter.assign(counter)
-
-        _mixed_precision.assign_everywhere(assign, is_finite)
+        Returns:
+            `(scale_variable, counter_variable, growth_steps, min_scale)`,
+            or None when the scale is fixed.
+        """
+        # Keras 3's scale is always dynamic, and has no floor.
+        return (
+            optimizer.dynamic_scale,
+            optimizer.step_counter,
+            optimizer.dynamic_growth_steps,
+            None,
+        )
 
     def replica_log(self, model, value):
         """A per-replica value equal on all replicas, ready for fit's logs.
@@ -403,28 +402,18 @@ class _TfKerasAdapter(_Keras3Adapter):
     def loss_scale(self, optimizer):
         return tf.cast(optimizer.loss_scale, tf.float32)
 
-    def update_loss_scale(self, optimizer, is_finite):
+    def dynamic_loss_scale(self, optimizer):
         if not optimizer.dynamic:
-            return  # A fixed scale never moves.
-        from accum_model import _mixed_precision
-
+            return None  # A fixed scale never moves.
         # `_loss_scale` (private) is the `_DynamicLossScaleState` holding the
         # scale variable; `dynamic_counter` is its public counter variable.
-        scale_variable = optimizer._loss_scale.current_loss_scale
-        counter_variable = optimizer.dynamic_counter
-
-        def assign(flag):
-            scale, counter = _mixed_precision.next_scale_and_counter(
-                tf.convert_to_tensor(scale_variable),
-                tf.convert_to_tensor(counter_variable),
-                flag,
-                optimizer.dynamic_growth_steps,
-                min_scale=1.0,  # tf_keras never halves below 1.
-            )
-            scale_variable.assign(scale)
-            counter_variable.assign(counter)
-
-        _mixed_precision.assign_everywhere(assign, is_finite)
+        # tf_keras never halves the scale below 1.
+        return (
+            optimizer._loss_scale.current_loss_scale,
+            optimizer.dynamic_counter,
+            optimizer.dynamic_growth_steps,
+            1.0,
+        )
 
     def replica_log(self, model, value):
         # tf_keras *sums* per-replica logs across replicas (its "auto"

@@ -18,8 +18,8 @@ again. `AccumModel` does the same per micro-batch, with the rules here:
   scale therefore evolves exactly as in plain `fit` with batch `B` over the
   same micro-batches.
 
-This module knows TensorFlow only; the Keras generations' loss-scale
-variables are read and written through `_keras.ADAPTER`.
+This module knows TensorFlow only; `_keras.ADAPTER` says where each Keras
+generation keeps its loss-scale variables (`dynamic_loss_scale`).
 """
 
 import tensorflow as tf
@@ -154,3 +154,32 @@ def assign_everywhere(assignments, is_finite):
         )
     else:
         assignments(is_finite)
+
+
+def update_loss_scale(dynamic_loss_scale, is_finite):
+    """Moves a dynamic loss scale on by one micro-batch (Keras' rule).
+
+    Args:
+        dynamic_loss_scale: What `ADAPTER.dynamic_loss_scale` returns:
+            `(scale_variable, counter_variable, growth_steps, min_scale)`,
+            or None for a fixed scale (nothing to do).
+        is_finite: Bool scalar tensor, the same on every replica.
+    """
+    if dynamic_loss_scale is None:
+        return
+    scale_variable, counter_variable, growth_steps, min_scale = (
+        dynamic_loss_scale
+    )
+
+    def assign(flag):
+        scale, counter = next_scale_and_counter(
+            tf.convert_to_tensor(scale_variable),
+            tf.convert_to_tensor(counter_variable),
+            flag,
+            growth_steps,
+            min_scale=min_scale,
+        )
+        scale_variable.assign(scale)
+        counter_variable.assign(counter)
+
+    assign_everywhere(assign, is_finite)

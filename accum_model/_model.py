@@ -273,7 +273,9 @@ class AccumModel(MultiWorkerFitWorkarounds, keras.Model):
                     grads, weight / scale
                 )
                 is_finite = _mixed_precision.all_replicas_finite(grads)
-                ADAPTER.update_loss_scale(self.optimizer, is_finite)
+                _mixed_precision.update_loss_scale(
+                    ADAPTER.dynamic_loss_scale(self.optimizer), is_finite
+                )
             engine.accumulate_weighted(grads, weight, is_finite=is_finite)
             engine.close_window_if_full(self._apply_gradients)
             if scaling:
