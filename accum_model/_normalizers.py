@@ -112,6 +112,16 @@ def loss_normalizer(adapter, model, x, y, y_pred, sample_weight):
         return samples
     normalizers = [term_normalizer(*term, samples) for term in terms]
     keys = {key for key, _ in normalizers}
+    if keys == {("one",)} and model.accum_steps > 1:
+        # Not silently different math: say what the window applies.
+        warnings.warn(
+            "The compiled loss uses reduction='sum': its gradient has no "
+            "normalizer, and an update applies the mean of the window's "
+            "micro-batch gradients, 1/accum_steps of the large batch's "
+            "summed gradient (for full windows). Multiply the learning rate "
+            "by accum_steps for large-batch training with a summed loss.",
+            stacklevel=3,
+        )
     if len(keys) > 1:
         warnings.warn(
             "The outputs' losses of this model divide by different "

@@ -174,6 +174,27 @@ class MultiOutputTest(tf.test.TestCase):
             model.fit(x, targets, batch_size=2, epochs=1, verbose=0)
 
 
+class SumReductionTest(tf.test.TestCase):
+    def test_sum_applies_the_mean_of_micro_batch_sums_and_warns(self):
+        # The documented rule for reduction="sum": each update applies
+        # 1/accum_steps of the large batch's summed gradient, so SGD with the
+        # learning rate times accum_steps equals the large batch (full
+        # windows).
+        steps, micro = 3, 4
+        x, y = tu.regression_data(24)
+        loss = keras.losses.MeanSquaredError(reduction="sum")
+        reference = tu.mlp(keras.Model)
+        model = tu.copy_weights(reference,
+                                tu.mlp(AccumModel, accum_steps=steps))
+        lr = 0.01
+        _, expected = tu.train(reference, x, y, micro * steps, 1,
+                               keras.optimizers.SGD(lr), loss)
+        with self.assertWarnsRegex(UserWarning, "reduction='sum'"):
+            _, actual = tu.train(model, x, y, micro, 1,
+                                 keras.optimizers.SGD(lr * steps), loss)
+        tu.assert_same_trajectory(self, expected, actual)
+
+
 class HookTest(tf.test.TestCase):
     def test_override_for_a_custom_token_loss(self):
         # A custom `compute_loss` that divides by the number of non-padding
