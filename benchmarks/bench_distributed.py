@@ -21,7 +21,6 @@ divided by its micro-steps. The chief prints the table.
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -33,6 +32,8 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 from absl import app  # noqa: E402
 from absl import flags  # noqa: E402
 from absl import logging  # noqa: E402
+
+from tests import loopback_cluster  # noqa: E402
 
 _WORKER_INDEX = flags.DEFINE_integer(
     "worker_index", None, "Internal: run as this worker of the cluster.")
@@ -52,29 +53,15 @@ _TIMEOUT = flags.DEFINE_integer("timeout", 900, "Seconds for the whole run.")
 _JSON = flags.DEFINE_string("json", None, "Also write the results here.")
 
 
-def _free_ports(count):
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
-
-
 def _launch():
     """Starts the workers, relays the chief's output, always reaps them."""
     start = time.monotonic()
-    ports = _free_ports(_WORKERS.value)
+    ports = loopback_cluster.free_ports(_WORKERS.value)
     processes = []
     try:
         for index in range(_WORKERS.value):
             env = dict(os.environ, PYTHONPATH=_ROOT)
-            env["TF_CONFIG"] = json.dumps({
-                "cluster": {"worker": [f"127.0.0.1:{p}" for p in ports]},
-                "task": {"type": "worker", "index": index},
-            })
+            env["TF_CONFIG"] = loopback_cluster.tf_config(ports, index)
             processes.append(subprocess.Popen(
                 [sys.executable, os.path.abspath(__file__),
                  f"--worker_index={index}"] + sys.argv[1:],
@@ -101,22 +88,6 @@ def _launch():
     print(f"({time.monotonic() - start:.0f} s in all)")
 
 
-def _configure_coordination(workers):
-    # What MultiWorkerMirroredStrategy configures itself, with a longer
-    # heartbeat timeout: two workers on two shared CPU cores, moving 84 MB
-    # per all-reduce, can miss the default one and abort the cluster.
-    from tensorflow.compiler.xla.tsl.protobuf import coordination_config_pb2
-    from tensorflow.python.eager import context
-
-    context.context().configure_coordination_service(
-        service_type="standalone",
-        service_leader="/job:worker/replica:0/task:0",
-        heartbeat_timeout_in_ms=300_000,
-        coordinated_jobs=[coordination_config_pb2.CoordinatedJob(
-            name="worker", num_tasks=workers)],
-    )
-
-
 def _first_line(error):
     text = re.sub(r"\x1b\[[0-9;]*m", "", str(error))  # Keras' bold
     for line in text.splitlines():
@@ -131,7 +102,7 @@ def _run_worker():
 
     logging.set_verbosity(logging.WARNING)
     tf.get_logger().setLevel("ERROR")
-    _configure_coordination(_WORKERS.value)
+    loopback_cluster.configure_coordination(heartbeat_timeout_s=300)
     strategy = tf.distribute.MultiWorkerMirroredStrategy()
 
     from accum_model import AccumModel

@@ -45,19 +45,9 @@ def _make_strategy(name):
             cpu, [tf.config.LogicalDeviceConfiguration()] * 2
         )
         return tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
-    # What the strategy configures itself, with a longer heartbeat timeout:
-    # workers on 2 busy CI cores can miss the default one.
-    from tensorflow.compiler.xla.tsl.protobuf import coordination_config_pb2
-    from tensorflow.python.eager import context
+    from tests import loopback_cluster
 
-    workers = len(json.loads(os.environ["TF_CONFIG"])["cluster"]["worker"])
-    context.context().configure_coordination_service(
-        service_type="standalone",
-        service_leader="/job:worker/replica:0/task:0",
-        heartbeat_timeout_in_ms=120_000,
-        coordinated_jobs=[coordination_config_pb2.CoordinatedJob(
-            name="worker", num_tasks=workers)],
-    )
+    loopback_cluster.configure_coordination(heartbeat_timeout_s=120)
     return tf.distribute.MultiWorkerMirroredStrategy()
 
 

@@ -11,7 +11,6 @@ started from the weights the distributed run started from, is computed here.
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -23,6 +22,7 @@ from absl.testing import parameterized
 
 from accum_model._keras import LEGACY
 from accum_model._keras import keras
+from tests import loopback_cluster
 from tests import testing_utils as tu
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -104,19 +104,6 @@ def _cases(multi_worker):
     return [dict(case, name=name) for name, case in cases.items()]
 
 
-def _free_ports(count):
-    sockets = []
-    try:
-        for _ in range(count):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            sockets.append(s)
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
-
-
 def _env(extra=None):
     env = dict(os.environ, PYTHONPATH=_ROOT, TF_CPP_MIN_LOG_LEVEL="2")
     env.pop("TF_CONFIG", None)
@@ -147,18 +134,14 @@ def run_workers(strategy, cases, workers=1, timeout=_TIMEOUT_S):
         cases_path = os.path.join(tmp, "cases.json")
         with open(cases_path, "w") as f:
             json.dump(cases, f)
-        ports = _free_ports(workers) if workers > 1 else []
+        ports = loopback_cluster.free_ports(workers) if workers > 1 else []
         processes, logs, outputs = [], [], []
         try:
             for index in range(workers):
                 extra = {}
                 if workers > 1:
-                    extra["TF_CONFIG"] = json.dumps({
-                        "cluster": {
-                            "worker": [f"127.0.0.1:{p}" for p in ports]
-                        },
-                        "task": {"type": "worker", "index": index},
-                    })
+                    extra["TF_CONFIG"] = loopback_cluster.tf_config(
+                        ports, index)
                 outputs.append(os.path.join(tmp, f"out{index}.json"))
                 logs.append(open(os.path.join(tmp, f"log{index}.txt"), "w+"))
                 processes.append(subprocess.Popen(
