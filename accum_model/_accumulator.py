@@ -187,7 +187,11 @@ class GradientAccumulator(tf.Module):
 
     @accum_steps.setter
     def accum_steps(self, value):
-        self._accum_steps.assign(validate_accum_steps(value))
+        value = validate_accum_steps(value)
+        self._accum_steps.assign(value)
+        # Between windows the next one is not open yet: it takes the value.
+        if int(self._micro_step.read_value()) == 0:
+            self._window_steps.assign(value)
 
     @property
     def micro_step(self):
@@ -283,6 +287,12 @@ class GradientAccumulator(tf.Module):
 
     def reset(self):
         """Discards the open window without applying it."""
+        self._reset_window()
+
+    def _reset_window(self):
+        # The next window's length is latched here, when the last one ends,
+        # rather than tested on every micro-batch.
+        self._window_steps.assign(self._accum_steps.read_value())
         for v in [self._micro_step, self._contributed]:
             v.assign(tf.zeros_like(v))
         self._weight_sum.assign(0.0)
@@ -314,16 +324,17 @@ class GradientAccumulator(tf.Module):
         Returns:
             `should_close`.
         """
-        # A window whose micro-batches were all left out applies nothing.
-        should_apply = tf.logical_and(should_close, self._contributed > 0)
-        _cond_with_merge(should_apply, lambda: self._apply_mean(apply_fn))
-        # No pass over the accumulators here: the next window's first
-        # contribution overwrites them (see `_accumulate`).
-        for counter in (self._micro_step, self._contributed):
-            counter.assign(tf.where(should_close, tf.zeros_like(counter),
-                                    counter))
-        self._weight_sum.assign(
-            tf.where(should_close, 0.0, self._weight_sum)
+        # Everything a close does happens inside its branch, so a micro-batch
+        # that does not close a window runs no op of it: per-op overhead is
+        # most of what accumulation costs on small models. A window whose
+        # micro-batches were all left out applies nothing. No pass over the
+        # accumulators: the next window's first contribution overwrites them
+        # (see `_accumulate`).
+        _cond_with_merge(
+            should_close,
+            lambda: self._apply_mean(apply_fn),
+            apply_if=lambda: self._contributed > 0,
+            then=self._reset_window,
         )
         return should_close
 
@@ -358,12 +369,6 @@ class GradientAccumulator(tf.Module):
                 f"accumulator ({len(self._accumulators)}). "
                 f"Received: {len(grads)} gradients"
             )
-        # A window opens on its first micro-batch; latch its length then.
-        opening = tf.equal(self._micro_step, 0)
-        self._window_steps.assign(
-            tf.where(opening, self._accum_steps, self._window_steps)
-        )
-
         for i, g in enumerate(grads):
             if g is not None:
                 self._received[i] = True
@@ -436,44 +441,67 @@ def _in_xla_context():
     )
 
 
-def _cond_with_merge(pred, true_fn):
-    """`tf.cond(pred, true_fn, no-op)`, safe when `true_fn` all-reduces."""
-    if not _in_replica_context_of_strategy():
-        if _in_xla_context():
-            # XLA turns a conditional whose branches are elementwise, as an
-            # optimizer update is, into a select of both: the update would
-            # run on every micro-batch (measured on CPU, MLP with 5.3M
-            # parameters, AdamW, N=4: AccumModel 0.8x plain fit). It never
-            # speculates a loop, so run `true_fn` in one with a trip count
-            # of 0 or 1 (same MLP: 44 -> 32 ms per micro-step).
-            def body(i):
-                true_fn()
-                return i + 1
+def _run_if(pred, fn):
+    """Runs `fn()` (no outputs) when the bool scalar `pred` holds."""
+    if _in_xla_context():
+        # XLA turns a conditional whose branches are elementwise, as an
+        # optimizer update is, into a select of both: the update would run on
+        # every micro-batch (measured on CPU, MLP with 5.3M parameters, AdamW,
+        # N=4: AccumModel 0.8x plain fit). It never speculates a loop, so run
+        # `fn` in one with a trip count of 0 or 1 (same MLP: 44 -> 32 ms per
+        # micro-step).
+        def body(i):
+            fn()
+            return i + 1
 
-            tf.while_loop(
-                lambda i: i < tf.cast(pred, tf.int32),
-                body,
-                [tf.constant(0)],
-            )
-            return
-
-        def branch():
-            true_fn()
-            return tf.constant(True)
-
-        tf.cond(pred, branch, lambda: tf.constant(False))
+        tf.while_loop(
+            lambda i: i < tf.cast(pred, tf.int32), body, [tf.constant(0)]
+        )
         return
 
-    # The pattern of Keras' LossScaleOptimizer: the condition is taken in
-    # cross-replica context, the branch runs back in each replica.
+    def branch():
+        fn()
+        return tf.constant(True)
+
+    tf.cond(pred, branch, lambda: tf.constant(False))
+
+
+def _cond_with_merge(pred, true_fn, apply_if=None, then=None):
+    """When `pred`: `true_fn()` if `apply_if()` (or always), then `then()`.
+
+    Safe when `true_fn` all-reduces: under a strategy the conditions are taken
+    in cross-replica context (the pattern of Keras' LossScaleOptimizer) and
+    the functions run back in each replica. `apply_if` and `then` run only
+    when `pred` holds.
+    """
+    then = then or (lambda: None)
+    if not _in_replica_context_of_strategy():
+
+        def close():
+            if apply_if is None:
+                true_fn()
+            else:
+                _run_if(apply_if(), true_fn)
+            then()
+
+        _run_if(pred, close)
+        return
+
     def merge_fn(strategy, pred):
         flag = strategy.experimental_local_results(pred)[0]
 
-        def branch():
-            strategy.extended.call_for_each_replica(true_fn)
-            return tf.constant(True)
+        def close():
+            def run_true_fn():
+                strategy.extended.call_for_each_replica(true_fn)
 
-        tf.cond(flag, branch, lambda: tf.constant(False))
+            if apply_if is None:
+                run_true_fn()
+            else:
+                # Read in cross-replica context: equal on every replica.
+                _run_if(apply_if(), run_true_fn)
+            strategy.extended.call_for_each_replica(then)
+
+        _run_if(flag, close)
 
     tf.distribute.get_replica_context().merge_call(merge_fn, args=(pred,))
 

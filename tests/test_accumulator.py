@@ -104,6 +104,20 @@ class HandComputedTest(tf.test.TestCase, parameterized.TestCase):
         closed = [bool(acc.step([tf.constant([1.0])], opt)) for _ in range(3)]
         self.assertEqual(closed, [False, False, True])
 
+    def test_accum_steps_set_between_windows_applies_to_the_next(self):
+        v = tf.Variable([0.0])
+        acc = GradientAccumulator([v], accum_steps=2)
+        opt = _sgd()
+
+        closed = [bool(acc.step([tf.constant([1.0])], opt)) for _ in range(2)]
+        self.assertEqual(closed, [False, True])
+        acc.accum_steps = 3
+        closed = [bool(acc.step([tf.constant([1.0])], opt)) for _ in range(3)]
+        self.assertEqual(closed, [False, False, True])
+        acc.reset()
+        acc.accum_steps = 1
+        self.assertTrue(bool(acc.step([tf.constant([1.0])], opt)))
+
     def test_reset_discards_the_window(self):
         v = tf.Variable([0.0])
         acc = GradientAccumulator([v], accum_steps=2)
