@@ -17,9 +17,11 @@ CNN on 32x32 images (compute-bound) and a small Transformer encoder over
 token sequences (its embedding gradients are sparse); SGD and AdamW.
 
 Every contender is traced and warmed up first; then the repeats run
-interleaved (plain_B accum builtin plain_NB floor, plain_B accum ...), each
-timing one `fit` call of the same number of samples, from its first batch to
-the end of the epoch (the epoch-end flush of `AccumModel` included). Ratios
+interleaved, each contender once per repeat, in an order rotated by one
+each repeat (plain_B accum builtin plain_NB floor, accum builtin plain_NB
+floor plain_B, ...), each timing one `fit` call of the same number of
+samples, from its first batch to the end of the epoch (the epoch-end flush
+of `AccumModel` included). Ratios
 are taken within each repeat, so slow drifts of a shared machine cancel, and
 the table gives their median (with min..max over repeats).
 
@@ -304,6 +306,13 @@ def _build_contenders(workload, optimizer, micro, n, quick, samples):
     return contenders
 
 
+def rotated(items, r):
+    """`items` rotated left by `r`: over len(items) repeats, each item runs
+    once in every position."""
+    first = r % len(items)
+    return list(items[first:]) + list(items[:first])
+
+
 def _state_bytes(variables):
     return sum(
         int(np.prod(v.shape)) * tf.as_dtype(v.dtype).size for v in variables)
@@ -337,8 +346,11 @@ def run_one(workload, optimizer, micro, n, repeats, seconds, quick,
 
     rates = {c.name: [] for c in contenders}
     cpu_rates = {c.name: [] for c in contenders}
-    for _ in range(repeats):
-        for c in contenders:
+    for r in range(repeats):
+        # Rotate the order each repeat: a contender that always ran right
+        # after another (whose garbage, caches and thermal state it
+        # inherits) would carry that position's bias into every ratio.
+        for c in rotated(contenders, r):
             wall, cpu = c.fit(micro_steps(c, steps))
             rates[c.name].append(steps * micro / wall)
             cpu_rates[c.name].append(steps * micro / max(cpu, 1e-9))

@@ -5,6 +5,7 @@ run must report whatever the speed: every contender and workload, positive
 rates, the accumulator's memory and the train step's trace counts.
 """
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -20,7 +21,25 @@ from accum_model._keras import keras
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def _load_bench_fit():
+    spec = importlib.util.spec_from_file_location(
+        "bench_fit", os.path.join(_ROOT, "benchmarks", "bench_fit.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 class BenchFitTest(tf.test.TestCase):
+    def test_every_contender_runs_once_in_every_position(self):
+        rotated = _load_bench_fit().rotated
+        names = ["a", "b", "c", "d", "e"]
+        orders = [rotated(names, r) for r in range(len(names))]
+        for order in orders:
+            self.assertCountEqual(order, names)
+        for position in range(len(names)):
+            self.assertCountEqual([o[position] for o in orders], names)
+        self.assertEqual(rotated(names, len(names)), names)
+
     def test_quick_run_reports_every_contender_and_workload(self):
         path = os.path.join(tempfile.mkdtemp(), "bench.json")
         env = dict(os.environ, PYTHONPATH=_ROOT, TF_CPP_MIN_LOG_LEVEL="2")
