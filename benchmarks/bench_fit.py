@@ -30,7 +30,7 @@ engine, in bytes, against the bytes of the trainable weights), the number of
 Python traces of `train_step` for `accum` and `plain_B` over all the `fit`
 calls made here, and the traces of `AccumModel`'s epoch-end flush.
 
-    python benchmarks/bench_fit.py                  # ~5-8 min on 2 CPU cores
+    python benchmarks/bench_fit.py                  # ~6 min on 2 CPU cores
     python benchmarks/bench_fit.py --quick          # smoke run, seconds
     python benchmarks/bench_fit.py --json out.json --jit_compile=true
 
@@ -68,7 +68,9 @@ _OPTIMIZERS = flags.DEFINE_list(
 _BATCH_SIZE = flags.DEFINE_integer("batch_size", 32, "Micro-batch size B.")
 _ACCUM_STEPS = flags.DEFINE_integer("accum_steps", 4, "N.")
 _REPEATS = flags.DEFINE_integer(
-    "repeats", 7, "Interleaved timed repeats per workload and optimizer.")
+    "repeats", 10,
+    "Interleaved timed repeats per workload and optimizer (a multiple of 5 "
+    "runs every contender equally often in every position).")
 _SECONDS = flags.DEFINE_float(
     "seconds", 1.0,
     "Target duration of one timed fit of plain_B; every contender of the "
