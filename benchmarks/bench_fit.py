@@ -21,9 +21,9 @@ interleaved, each contender once per repeat, in an order rotated by one
 each repeat (plain_B accum builtin plain_NB floor, accum builtin plain_NB
 floor plain_B, ...), each timing one `fit` call of the same number of
 samples, from its first batch to the end of the epoch (the epoch-end flush
-of `AccumModel` included). Ratios
-are taken within each repeat, so slow drifts of a shared machine cancel, and
-the table gives their median (with min..max over repeats).
+of `AccumModel` included). Ratios are taken within each repeat, so slow
+drifts of a shared machine cancel, and the table gives their median (with
+min..max over repeats).
 
 It also reports the accumulator's memory (every state variable of the
 engine, in bytes, against the bytes of the trainable weights), the number of
@@ -309,8 +309,11 @@ def _build_contenders(workload, optimizer, micro, n, quick, samples):
 
 
 def rotated(items, r):
-    """`items` rotated left by `r`: over len(items) repeats, each item runs
-    once in every position."""
+    """Returns `items` rotated left by `r`.
+
+    Over `len(items)` consecutive repeats, each item runs once in every
+    position.
+    """
     first = r % len(items)
     return list(items[first:]) + list(items[:first])
 
