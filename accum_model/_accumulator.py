@@ -330,10 +330,10 @@ class GradientAccumulator(tf.Module):
         # micro-batches were all left out applies nothing. No pass over the
         # accumulators: the next window's first contribution overwrites them
         # (see `_accumulate`).
-        _cond_with_merge(
+        _close_if(
             should_close,
-            lambda: self._apply_mean(apply_fn),
             apply_if=lambda: self._contributed > 0,
+            apply_fn=lambda: self._apply_mean(apply_fn),
             then=self._reset_window,
         )
         return should_close
@@ -466,42 +466,29 @@ def _run_if(pred, fn):
     tf.cond(pred, branch, lambda: tf.constant(False))
 
 
-def _cond_with_merge(pred, true_fn, apply_if=None, then=None):
-    """When `pred`: `true_fn()` if `apply_if()` (or always), then `then()`.
+def _close_if(pred, apply_if, apply_fn, then):
+    """When `pred`: `apply_fn()` if `apply_if()`, then `then()`.
 
-    Safe when `true_fn` all-reduces: under a strategy the conditions are taken
-    in cross-replica context (the pattern of Keras' LossScaleOptimizer) and
-    the functions run back in each replica. `apply_if` and `then` run only
-    when `pred` holds.
+    Safe when `apply_fn` all-reduces: under a strategy both conditions are
+    taken in cross-replica context (the pattern of Keras'
+    LossScaleOptimizer), so they are equal on every replica, and the
+    functions run back in each replica. `apply_if` and `then` run only when
+    `pred` holds.
     """
-    then = then or (lambda: None)
+
+    def close(in_replicas):
+        _run_if(apply_if(), lambda: in_replicas(apply_fn))
+        in_replicas(then)
+
     if not _in_replica_context_of_strategy():
-
-        def close():
-            if apply_if is None:
-                true_fn()
-            else:
-                _run_if(apply_if(), true_fn)
-            then()
-
-        _run_if(pred, close)
+        _run_if(pred, lambda: close(lambda fn: fn()))
         return
 
     def merge_fn(strategy, pred):
         flag = strategy.experimental_local_results(pred)[0]
-
-        def close():
-            def run_true_fn():
-                strategy.extended.call_for_each_replica(true_fn)
-
-            if apply_if is None:
-                run_true_fn()
-            else:
-                # Read in cross-replica context: equal on every replica.
-                _run_if(apply_if(), run_true_fn)
-            strategy.extended.call_for_each_replica(then)
-
-        _run_if(flag, close)
+        _run_if(
+            flag, lambda: close(strategy.extended.call_for_each_replica)
+        )
 
     tf.distribute.get_replica_context().merge_call(merge_fn, args=(pred,))
 
