@@ -1,6 +1,6 @@
 """Does accumulation cost anything? Five ways to train, timed side by side.
 
-For each workload and optimizer, in one process, this builds five models
+For each workload and optimizer, in one process, this builds six models
 with the same weights and times `fit` on the same data (made here):
 
   plain_B    plain `keras.Model.fit` at micro-batch B
@@ -11,6 +11,12 @@ with the same weights and times `fit` on the same data (made here):
   floor      a train step that computes the micro-batch's loss and every
              gradient, then discards them: forward and backward, nothing
              else; no accumulation at micro-batch B can be faster
+  accum_again
+             a second `AccumModel`, built and timed exactly like `accum`:
+             the control. accum/accum_again would be 1.000 on a perfect
+             clock; how far it lands from 1 is how far two identical
+             contenders differ here (memory placement, the machine): the
+             resolution of every other ratio of the run
 
 Workloads: an MLP of ~5M parameters (optimizer-bound at small B), a small
 CNN on 32x32 images (compute-bound) and a small Transformer encoder over
@@ -18,10 +24,10 @@ token sequences (its embedding gradients are sparse); SGD and AdamW.
 
 Every contender is traced and warmed up first; then the repeats run
 interleaved, each contender once per repeat, in an order rotated by one
-each repeat (plain_B accum builtin plain_NB floor, accum builtin plain_NB
-floor plain_B, ...), each timing one `fit` call of the same number of
-samples, from its first batch to the end of the epoch (the epoch-end flush
-of `AccumModel` included). Ratios are taken within each repeat, so slow
+each repeat (plain_B accum builtin ..., accum builtin ... plain_B, ...),
+each timing one `fit` call of the same number of samples, from its first
+batch to the end of the epoch (the epoch-end flush of `AccumModel`
+included). Ratios are taken within each repeat, so slow
 drifts of a shared machine cancel, and the table gives their median (with
 min..max over repeats).
 
@@ -30,7 +36,7 @@ engine, in bytes, against the bytes of the trainable weights), the number of
 Python traces of `train_step` for `accum` and `plain_B` over all the `fit`
 calls made here, and the traces of `AccumModel`'s epoch-end flush.
 
-    python benchmarks/bench_fit.py                  # ~6 min on 2 CPU cores
+    python benchmarks/bench_fit.py                  # ~8 min on 2 CPU cores
     python benchmarks/bench_fit.py --quick          # smoke run, seconds
     python benchmarks/bench_fit.py --json out.json --jit_compile=true
 
@@ -57,7 +63,10 @@ from accum_model._keras import ADAPTER
 from accum_model._keras import LEGACY
 from accum_model._keras import keras
 
-CONTENDERS = ("plain_B", "accum", "builtin", "plain_NB", "floor")
+CONTENDERS = ("plain_B", "accum", "builtin", "plain_NB", "floor",
+              "accum_again")
+# What `accum` is compared with, in the table's order.
+REFERENCES = ("plain_B", "builtin", "floor", "plain_NB", "accum_again")
 WORKLOADS = ("mlp", "cnn", "transformer")
 OPTIMIZERS = ("sgd", "adamw")
 
@@ -68,9 +77,10 @@ _OPTIMIZERS = flags.DEFINE_list(
 _BATCH_SIZE = flags.DEFINE_integer("batch_size", 32, "Micro-batch size B.")
 _ACCUM_STEPS = flags.DEFINE_integer("accum_steps", 4, "N.")
 _REPEATS = flags.DEFINE_integer(
-    "repeats", 10,
-    "Interleaved timed repeats per workload and optimizer (a multiple of 5 "
-    "runs every contender equally often in every position).")
+    "repeats", 12,
+    "Interleaved timed repeats per workload and optimizer (a multiple of "
+    f"{len(CONTENDERS)} runs every contender equally often in every "
+    "position).")
 _SECONDS = flags.DEFINE_float(
     "seconds", 1.0,
     "Target duration of one timed fit of plain_B; every contender of the "
@@ -283,7 +293,7 @@ def _build_contenders(workload, optimizer, micro, n, quick, samples):
     for name in names:
         keras.utils.set_random_seed(0)
         inputs, outputs, x, y = builder(quick, samples)
-        if name == "accum":
+        if name in ("accum", "accum_again"):
             cls, kwargs = _counting(AccumModel), {"accum_steps": n}
         elif name == "floor":
             cls, kwargs = _floor_class(), {}
@@ -325,7 +335,7 @@ def _state_bytes(variables):
 
 def run_one(workload, optimizer, micro, n, repeats, seconds, quick,
             clock="wall"):
-    """Times the five contenders on one workload; returns a result dict."""
+    """Times the contenders on one workload; returns a result dict."""
     samples = max(8 * micro * n, 512 if not quick else 0)
     contenders = _build_contenders(workload, optimizer, micro, n, quick,
                                    samples)
@@ -404,7 +414,7 @@ def run_one(workload, optimizer, micro, n, repeats, seconds, quick,
         builtin_vars = getattr(optimizer_obj, "_accumulated_gradients", [])
         result["memory"]["builtin_accumulator_bytes"] = _state_bytes(
             builtin_vars)
-    for reference in ("plain_B", "builtin", "plain_NB", "floor"):
+    for reference in REFERENCES:
         if reference not in rates:
             continue
         per_repeat = [a / b for a, b in zip(rates["accum"], rates[reference])]
@@ -445,7 +455,8 @@ def format_table(results):
     """The results as a Markdown table (ratios: median (min-max))."""
     header = ("| workload | optimizer | params | samples/s plain_B | "
               "accum / plain_B | accum / built-in | accum / floor | "
-              "accum / plain_NB | accumulator / params bytes | "
+              "accum / plain_NB | A/A: accum / accum_again | "
+              "accumulator / params bytes | "
               "traces accum / plain_B |")
     lines = [header, "|" + "---|" * (header.count("|") - 1)]
     for r in results:
@@ -459,6 +470,7 @@ def format_table(results):
             f"{_fmt_ratio(ratios.get('accum/builtin'))} | "
             f"{_fmt_ratio(ratios.get('accum/floor'))} | "
             f"{_fmt_ratio(ratios.get('accum/plain_NB'))} | "
+            f"{_fmt_ratio(ratios.get('accum/accum_again'))} | "
             f"{mem['accumulator_over_parameters']:.4f}x | "
             f"{r['traces']['accum']} / {r['traces']['plain_B']} |")
     return "\n".join(lines)

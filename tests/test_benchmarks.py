@@ -52,7 +52,7 @@ class BenchFitTest(tf.test.TestCase):
         with open(path) as f:
             report = json.load(f)
 
-        contenders = ["plain_B", "accum", "plain_NB", "floor"]
+        contenders = ["plain_B", "accum", "plain_NB", "floor", "accum_again"]
         if not LEGACY:  # tf_keras' optimizers have no built-in option.
             contenders.append("builtin")
         workloads = [r["workload"] for r in report["results"]]
