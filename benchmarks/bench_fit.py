@@ -15,8 +15,9 @@ with the same weights and times `fit` on the same data (made here):
              a second `AccumModel`, built and timed exactly like `accum`:
              the control. accum/accum_again would be 1.000 on a perfect
              clock; how far it lands from 1 is how far two identical
-             contenders differ here (memory placement, the machine): the
-             resolution of every other ratio of the run
+             contenders differ in this run: the resolution of every other
+             ratio of the run (building the six in reverse order moved it
+             by no more than its own spread)
 
 Workloads: an MLP of ~5M parameters (optimizer-bound at small B), a small
 CNN on 32x32 images (compute-bound) and a small Transformer encoder over
@@ -82,7 +83,8 @@ _ACCUM_STEPS = flags.DEFINE_integer("accum_steps", 4, "N.")
 _REPEATS = flags.DEFINE_integer(
     "repeats", 12,
     "Interleaved timed repeats per workload and optimizer (a multiple of "
-    f"{len(CONTENDERS)} runs every contender equally often in every "
+    f"the number of contenders, {len(CONTENDERS)}, or {len(CONTENDERS) - 1} "
+    "under tf_keras, runs every contender equally often in every "
     "position).")
 _SECONDS = flags.DEFINE_float(
     "seconds", 1.0,
