@@ -69,8 +69,14 @@ from accum_model._keras import keras
 
 CONTENDERS = ("plain_B", "accum", "builtin", "plain_NB", "floor",
               "accum_again")
-# What `accum` is compared with, in the table's order.
-REFERENCES = ("plain_B", "builtin", "floor", "plain_NB", "accum_again")
+# What `accum` is compared with, in the table's order, with column titles.
+REFERENCES = {
+    "plain_B": "accum / plain_B",
+    "builtin": "accum / built-in",
+    "floor": "accum / floor",
+    "plain_NB": "accum / plain_NB",
+    "accum_again": "A/A: accum / accum_again",
+}
 WORKLOADS = ("mlp", "cnn", "transformer")
 OPTIMIZERS = ("sgd", "adamw")
 
@@ -351,13 +357,14 @@ def median_interval(values, confidence=0.95):
     """
     xs = sorted(values)
     n = len(xs)
-    k, coverage = 1, 1.0 - 2.0 / 2**n
-    for candidate in range(2, n // 2 + 1):
-        tail = sum(math.comb(n, i) for i in range(candidate)) / 2**n
-        if 1.0 - 2.0 * tail < confidence:
-            break
-        k, coverage = candidate, 1.0 - 2.0 * tail
-    return xs[k - 1], xs[n - k], coverage
+
+    def coverage(k):
+        return 1.0 - 2.0 * sum(math.comb(n, i) for i in range(k)) / 2**n
+
+    k = 1
+    while k < n // 2 and coverage(k + 1) >= confidence:
+        k += 1
+    return xs[k - 1], xs[n - k], coverage(k)
 
 
 def _state_bytes(variables):
@@ -496,10 +503,8 @@ def _interval_label(results):
 def format_table(results):
     """The results as a Markdown table (ratios: median [interval])."""
     header = ("| workload | optimizer | params | samples/s plain_B | "
-              "accum / plain_B | accum / built-in | accum / floor | "
-              "accum / plain_NB | A/A: accum / accum_again | "
-              "accumulator / params bytes | "
-              "traces accum / plain_B |")
+              + "".join(f"{title} | " for title in REFERENCES.values())
+              + "accumulator / params bytes | traces accum / plain_B |")
     lines = [header, "|" + "---|" * (header.count("|") - 1)]
     for r in results:
         ratios = r["ratios"]
@@ -508,12 +513,9 @@ def format_table(results):
             f"| {r['workload']} | {r['optimizer']} | "
             f"{r['parameters'] / 1e6:.2f}M | "
             f"{r['median_samples_per_second']['plain_B']:.0f} | "
-            f"{_fmt_ratio(ratios.get('accum/plain_B'))} | "
-            f"{_fmt_ratio(ratios.get('accum/builtin'))} | "
-            f"{_fmt_ratio(ratios.get('accum/floor'))} | "
-            f"{_fmt_ratio(ratios.get('accum/plain_NB'))} | "
-            f"{_fmt_ratio(ratios.get('accum/accum_again'))} | "
-            f"{mem['accumulator_over_parameters']:.4f}x | "
+            + "".join(f"{_fmt_ratio(ratios.get(f'accum/{ref}'))} | "
+                      for ref in REFERENCES)
+            + f"{mem['accumulator_over_parameters']:.4f}x | "
             f"{r['traces']['accum']} / {r['traces']['plain_B']} |")
     return "\n".join(lines)
 
