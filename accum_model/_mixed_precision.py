@@ -183,3 +183,23 @@ def update_loss_scale(dynamic_loss_scale, is_finite):
         counter_variable.assign(counter)
 
     assign_everywhere(assign, is_finite)
+
+
+def unscale_and_check(grads, factor, dynamic_loss_scale):
+    """One micro-batch under loss scaling: unscale, check, move the scale.
+
+    Args:
+        grads: List of gradients of the scaled loss (see `unscale_gradients`).
+        factor: Float32 scalar the gradients are multiplied by: the
+            micro-batch's normalizer weight over the scale its loss carried.
+        dynamic_loss_scale: What `ADAPTER.dynamic_loss_scale` returns.
+
+    Returns:
+        `(grads, is_finite)`: the float32 unscaled (and weighted) gradients,
+        and a bool scalar tensor, the same on every replica, to pass to the
+        accumulator as its `is_finite`.
+    """
+    grads = unscale_gradients(grads, factor)
+    is_finite = all_replicas_finite(grads)
+    update_loss_scale(dynamic_loss_scale, is_finite)
+    return grads, is_finite

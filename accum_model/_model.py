@@ -269,12 +269,10 @@ class AccumModel(MultiWorkerFitWorkarounds, keras.Model):
             if scaling:
                 # Unscaled with the scale this micro-batch used, so a scale
                 # change mid-window is harmless.
-                grads = _mixed_precision.unscale_gradients(
-                    grads, weight / scale
-                )
-                is_finite = _mixed_precision.all_replicas_finite(grads)
-                _mixed_precision.update_loss_scale(
-                    ADAPTER.dynamic_loss_scale(self.optimizer), is_finite
+                grads, is_finite = _mixed_precision.unscale_and_check(
+                    grads,
+                    weight / scale,
+                    ADAPTER.dynamic_loss_scale(self.optimizer),
                 )
             engine.accumulate_weighted(grads, weight, is_finite=is_finite)
             engine.close_window_if_full(self._apply_gradients)
