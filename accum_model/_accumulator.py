@@ -22,6 +22,8 @@ import numbers
 import numpy as np
 import tensorflow as tf
 
+from accum_model import _mixed_precision
+
 _ON_READ = tf.VariableSynchronization.ON_READ
 _SUM = tf.VariableAggregation.SUM
 _FIRST = tf.VariableAggregation.ONLY_FIRST_REPLICA
@@ -225,7 +227,8 @@ class GradientAccumulator(tf.Module):
 
         Args:
             grads: List of gradients (tensors, `tf.IndexedSlices` or `None`),
-                one per variable, of the micro-batch's *mean* loss.
+                one per variable, of the micro-batch's *mean* loss, unscaled
+                (`step()` takes those of a loss-scaled loss).
             weight: Float scalar. What that mean divided by (its number of
                 samples by default).
             is_finite: Optional bool scalar tensor. When False the micro-batch
@@ -238,6 +241,19 @@ class GradientAccumulator(tf.Module):
     def step(self, grads, optimizer, weight=1.0, is_finite=None):
         """Accumulates `grads` and applies the window when it is full.
 
+        With a `LossScaleOptimizer`, `grads` are what that optimizer's own
+        apply takes: under Keras 3 the gradients of
+        `optimizer.scale_loss(loss)`, under tf_keras those of
+        `optimizer.get_scaled_loss(loss)` passed through
+        `optimizer.get_unscaled_gradients`. Each micro-batch is then unscaled
+        in float32 with the scale it was computed with, a micro-batch whose
+        gradients are not all finite (on any replica) is left out of its
+        window (counted in `skipped_steps`), and the dynamic scale moves once
+        per micro-batch, as `AccumModel` does (see the README, "Mixed
+        precision"). Under Keras 3 in a `tf.function`, build the optimizer
+        before the first trace (`optimizer.build(variables)`): an unbuilt
+        one's `scale_loss` multiplies by its initial scale as a constant.
+
         Args:
             grads: As in `accumulate()`.
             optimizer: The optimizer to apply the mean with (Keras 3 or
@@ -248,8 +264,24 @@ class GradientAccumulator(tf.Module):
         Returns:
             A bool scalar tensor: whether this call closed a window.
         """
+        from accum_model import _keras
+
+        adapter = _keras.ADAPTER
+        # Checked before the loss scale moves or the optimizer is built.
+        grads = self._checked(grads)
         self._build_optimizer(optimizer)
-        self.accumulate(grads, weight, is_finite=is_finite)
+        if adapter.is_loss_scale_optimizer(optimizer):
+            weight = tf.cast(weight, tf.float32)
+            grads, finite = _mixed_precision.unscale_and_check(
+                grads,
+                weight / adapter.applied_gradient_scale(optimizer),
+                adapter.dynamic_loss_scale(optimizer),
+            )
+            if is_finite is not None:
+                finite = tf.logical_and(finite, is_finite)
+            self.accumulate_weighted(grads, weight, is_finite=finite)
+        else:
+            self.accumulate(grads, weight, is_finite=is_finite)
         return self.close_window_if_full(_optimizer_apply_fn(optimizer))
 
     def apply(self, optimizer):
@@ -361,7 +393,7 @@ class GradientAccumulator(tf.Module):
         for hook in self._on_apply:
             hook()
 
-    def _accumulate(self, grads, weight, weighted, is_finite):
+    def _checked(self, grads):
         grads = list(grads)
         if len(grads) != len(self._accumulators):
             raise ValueError(
@@ -369,6 +401,10 @@ class GradientAccumulator(tf.Module):
                 f"accumulator ({len(self._accumulators)}). "
                 f"Received: {len(grads)} gradients"
             )
+        return grads
+
+    def _accumulate(self, grads, weight, weighted, is_finite):
+        grads = self._checked(grads)
         for i, g in enumerate(grads):
             if g is not None:
                 self._received[i] = True

@@ -235,6 +235,15 @@ class _Keras3Adapter:
         return tf.cast(tf.convert_to_tensor(optimizer.dynamic_scale),
                        tf.float32)
 
+    def applied_gradient_scale(self, optimizer):
+        """Float32 scalar: the scale of gradients handed to `optimizer`.
+
+        What a loss-scale optimizer's apply divides gradients by: Keras 3's
+        `apply` takes gradients of `optimizer.scale_loss(loss)`, scaled by
+        the current scale.
+        """
+        return self.loss_scale(optimizer)
+
     def dynamic_loss_scale(self, optimizer):
         """Where a loss-scale optimizer keeps its dynamic scale.
 
@@ -401,6 +410,13 @@ class _TfKerasAdapter(_Keras3Adapter):
 
     def loss_scale(self, optimizer):
         return tf.cast(optimizer.loss_scale, tf.float32)
+
+    def applied_gradient_scale(self, optimizer):
+        # tf_keras' `apply_gradients` takes gradients already unscaled with
+        # `optimizer.get_unscaled_gradients` (only their finiteness is left
+        # to check).
+        del optimizer
+        return tf.constant(1.0)
 
     def dynamic_loss_scale(self, optimizer):
         if not optimizer.dynamic:

@@ -103,22 +103,57 @@ _DISABLE = {
 
 def _fit_case(strategy, case):
     from accum_model._keras import ADAPTER
-    from accum_model._keras import keras
 
     patched = [_DISABLE[name] for name in case.get("disable", [])]
-    policy = keras.mixed_precision.global_policy()
     try:
         for attr, replacement in patched:
             setattr(ADAPTER, attr, replacement)
+        return _fit(strategy, case)
+    finally:
+        for attr, _ in patched:
+            delattr(ADAPTER, attr)  # back to the class's method
+
+
+def _under_policy(run, strategy, case):
+    from accum_model._keras import keras
+
+    policy = keras.mixed_precision.global_policy()
+    try:
         if case.get("policy"):
             keras.mixed_precision.set_global_policy(case["policy"])
-        return _fit(strategy, case)
+        return run(strategy, case)
     finally:
         # Later cases in this process run under the policy they started
         # with, also after a failure.
         keras.mixed_precision.set_global_policy(policy)
-        for attr, _ in patched:
-            delattr(ADAPTER, attr)  # back to the class's method
+
+
+def _data(case):
+    from tests import testing_utils as tu
+
+    x, y = tu.regression_data(case["n"], seed=case.get("seed", 0))
+    for index in case.get("overflow", []):
+        # Beyond float16's 65504: the micro-batch holding this sample
+        # overflows on the one replica whose shard holds it.
+        x[index] = 1e6
+    return x, y
+
+
+def _optimizer(case):
+    """The case's optimizer; call it in the strategy's scope.
+
+    In the scope: Keras 3 creates `iterations` in the constructor, and one
+    created outside would count every replica's update.
+    """
+    from accum_model._keras import keras
+    from tests import testing_utils as tu
+
+    optimizer = tu.OPTIMIZERS[case["optimizer"]]()
+    if case.get("loss_scale"):
+        optimizer = keras.mixed_precision.LossScaleOptimizer(
+            optimizer, initial_scale=case["loss_scale"]
+        )
+    return optimizer
 
 
 def _fit(strategy, case):
@@ -129,11 +164,7 @@ def _fit(strategy, case):
     from tests import testing_utils as tu
 
     replicas = strategy.num_replicas_in_sync
-    x, y = tu.regression_data(case["n"], seed=case.get("seed", 0))
-    for index in case.get("overflow", []):
-        # Beyond float16's 65504: the micro-batch holding this sample
-        # overflows on the one replica whose shard holds it.
-        x[index] = 1e6
+    x, y = _data(case)
     steps = case["steps"]
     fit_kwargs = {}
     if case.get("validation"):
@@ -151,13 +182,7 @@ def _fit(strategy, case):
                 epoch_end=case.get("epoch_end", "apply"),
             )
         initial = model.get_weights()
-        optimizer = case["optimizer"]
-        if case.get("loss_scale"):
-            # In the scope: Keras 3 creates `iterations` in the constructor,
-            # and one created outside would count every replica's update.
-            optimizer = keras.mixed_precision.LossScaleOptimizer(
-                tu.OPTIMIZERS[optimizer](), initial_scale=case["loss_scale"]
-            )
+        optimizer = _optimizer(case)
         allreduce_counter.reset()
         history, trajectory = tu.train(
             model,
@@ -189,17 +214,23 @@ def _fit(strategy, case):
 def _loop_case(strategy, case):
     """GradientAccumulator in a custom loop: strategy.run per micro-batch."""
     from accum_model import GradientAccumulator
+    from accum_model._keras import ADAPTER
+    from accum_model._keras import LEGACY
     from tests import allreduce_counter
     from tests import testing_utils as tu
 
     replicas = strategy.num_replicas_in_sync
-    x, y = tu.regression_data(case["n"], seed=case.get("seed", 0))
+    x, y = _data(case)
+    scaling = bool(case.get("loss_scale"))
     with strategy.scope():
         model = tu.mlp(tf.keras.Model, seed=case.get("seed", 0))
-        optimizer = tu.OPTIMIZERS[case["optimizer"]]()
+        optimizer = _optimizer(case)
         accumulator = GradientAccumulator(
             model.trainable_variables, accum_steps=case["steps"]
         )
+        # Before the first trace: Keras 3's `scale_loss` multiplies by a
+        # constant until its optimizer is built.
+        ADAPTER.build_optimizer(optimizer, model.trainable_variables)
     initial = model.get_weights()
     dataset = strategy.experimental_distribute_dataset(
         tu.as_dataset(x, y, case["micro"] * replicas)
@@ -209,8 +240,15 @@ def _loop_case(strategy, case):
         with tf.GradientTape() as tape:
             # The local mean: the accumulator weights it by the local count
             # and divides by the global count at apply.
-            loss = tf.reduce_mean(tf.square(model(xb, training=True) - yb))
+            y_pred = tf.cast(model(xb, training=True), tf.float32)
+            loss = tf.reduce_mean(tf.square(y_pred - yb))
+            if scaling:
+                # As each Keras generation's LossScaleOptimizer takes it.
+                loss = (optimizer.get_scaled_loss(loss) if LEGACY
+                        else optimizer.scale_loss(loss))
         grads = tape.gradient(loss, model.trainable_variables)
+        if scaling and LEGACY:
+            grads = optimizer.get_unscaled_gradients(grads)
         return accumulator.step(grads, optimizer, weight=tf.shape(xb)[0])
 
     @tf.function
@@ -237,7 +275,12 @@ def _loop_case(strategy, case):
         if iterations() != last:
             last = iterations()
             trajectory.append(model.get_weights())
+    extra = {}
+    if scaling:
+        extra["loss_scale"] = float(ADAPTER.loss_scale(optimizer))
+        extra["skipped_microbatches"] = int(accumulator.skipped_steps)
     return {
+        **extra,
         "replicas": replicas,
         "initial": _as_lists(initial),
         "trajectory": [_as_lists(w) for w in trajectory],
@@ -266,7 +309,7 @@ def main(argv):
     for case in cases:
         run = _loop_case if case.get("kind") == "loop" else _fit_case
         try:
-            results[case["name"]] = run(strategy, case)
+            results[case["name"]] = _under_policy(run, strategy, case)
         except Exception as e:  # Reported per case; the test fails on it.
             import traceback
 

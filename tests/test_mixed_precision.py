@@ -12,7 +12,9 @@ import tensorflow as tf
 from absl.testing import parameterized
 
 from accum_model import AccumModel
+from accum_model import GradientAccumulator
 from accum_model._keras import ADAPTER
+from accum_model._keras import LEGACY
 from accum_model._keras import keras
 from tests import testing_utils as tu
 
@@ -182,6 +184,86 @@ class MixedFloat16Test(tf.test.TestCase, parameterized.TestCase):
             expected.history["loss"], history.history["loss"], rtol=1e-3
         )
         self.assertLess(history.history["loss"][0], 10.0)
+
+
+def _custom_loop(x, y, optimizer, compiled):
+    """`GradientAccumulator.step` in a loop written as Keras documents one.
+
+    The loss is scaled, and the gradients handed over, as each Keras
+    generation's `LossScaleOptimizer` takes them in a custom loop.
+    """
+    model = tu.mlp(keras.Model)
+    variables = model.trainable_variables
+    accumulator = GradientAccumulator(variables, accum_steps=_STEPS)
+    # Keras 3's `scale_loss` multiplies by a constant until the optimizer
+    # is built; built first, the traced step reads the scale variable.
+    ADAPTER.build_optimizer(optimizer, variables)
+    loss_fn = keras.losses.MeanSquaredError()
+
+    def train_step(xb, yb):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(yb, model(xb, training=True))
+            if LEGACY:
+                scaled = optimizer.get_scaled_loss(loss)
+            else:
+                scaled = optimizer.scale_loss(loss)
+        grads = tape.gradient(scaled, variables)
+        if LEGACY:
+            grads = optimizer.get_unscaled_gradients(grads)
+        return accumulator.step(grads, optimizer, weight=tf.shape(xb)[0])
+
+    if compiled:
+        train_step = tf.function(train_step)
+    for k in range(len(x) // _MICRO):
+        rows = slice(k * _MICRO, (k + 1) * _MICRO)
+        train_step(x[rows], y[rows])
+    return model, accumulator
+
+
+class CustomLoopLossScaleTest(tf.test.TestCase, parameterized.TestCase):
+    """`GradientAccumulator.step` with a LossScaleOptimizer, no `fit`."""
+
+    def setUp(self):
+        super().setUp()
+        keras.mixed_precision.set_global_policy("mixed_float16")
+
+    def tearDown(self):
+        keras.mixed_precision.set_global_policy("float32")
+        super().tearDown()
+
+    @parameterized.product(
+        compiled=[False, True],
+        case=[
+            # (overflowing micro-batches, windows of the kept ones, scale)
+            ((), [[0, 1], [2, 3]], 256.0),
+            ((1,), [[0], [2, 3]], 128.0),
+        ],
+    )
+    def test_equals_large_batch_over_kept_microbatches(self, compiled, case):
+        overflowing, windows, final_scale = case
+        x, y = _data(overflowing=overflowing)
+        optimizer = _lso()
+        model, accumulator = _custom_loop(x, y, optimizer, compiled)
+        reference = _reference_weights(x, y, windows, _lso())
+
+        self.assertTrue(_all_finite(model))
+        self.assertLessEqual(
+            tu.max_abs_diff(reference.get_weights(), model.get_weights()),
+            1e-4,
+        )
+        self.assertEqual(int(optimizer.iterations), 2)
+        self.assertEqual(int(accumulator.skipped_steps), len(overflowing))
+        self.assertEqual(float(ADAPTER.loss_scale(optimizer)), final_scale)
+
+    def test_wrong_number_of_gradients_moves_nothing(self):
+        model = tu.mlp(keras.Model)
+        optimizer = _lso()
+        accumulator = GradientAccumulator(model.trainable_variables)
+        with self.assertRaisesRegex(ValueError, "one gradient per variable"):
+            accumulator.step([tf.fill([4, 5], float("inf"))], optimizer)
+        self.assertEqual(float(ADAPTER.loss_scale(optimizer)), 256.0)
+        self.assertEqual(int(accumulator.micro_step), 0)
+        self.assertEqual(int(accumulator.skipped_steps), 0)
 
 
 class MixedBfloat16Test(tf.test.TestCase):
