@@ -107,6 +107,8 @@ class GradientAccumulator(tf.Module):
         super().__init__(name=name or "gradient_accumulator")
         self._variables = variables
         self._on_apply = []
+        # Variables of the apply hooks' own windows, saved with the engine.
+        self._hook_state = []
         # Which variables ever received a gradient, known at trace time: the
         # others get `None` at apply, as plain training gives them (so the
         # optimizer neither decays nor counts them, and warns as Keras does).
@@ -180,7 +182,7 @@ class GradientAccumulator(tf.Module):
             self._contributed,
             self._skipped,
             self._weight_sum,
-        ] + self._accumulators
+        ] + self._accumulators + self._hook_state
 
     @property
     def accum_steps(self):
@@ -210,13 +212,20 @@ class GradientAccumulator(tf.Module):
         """Int64 tensor. Micro-batches left out for non-finite gradients."""
         return self._skipped.read_value()
 
-    def add_apply_hook(self, fn):
+    def add_apply_hook(self, fn, state=()):
         """Registers `fn()` to run inside the branch that applies a window.
 
         Used for state that must change once per update rather than once per
         micro-batch (for example pooled BatchNormalization statistics).
+
+        Args:
+            fn: Callable without arguments.
+            state: Variables that hold the hook's part of the open window.
+                They join `state_variables`, so an open window is saved and
+                restored whole.
         """
         self._on_apply.append(fn)
+        self._hook_state.extend(state)
 
     # The state machine.
 

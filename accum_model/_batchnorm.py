@@ -161,7 +161,10 @@ class AccumBatchNormalization(keras.layers.BatchNormalization):
             with tf.init_scope():
                 self._accum_window.reset()
         self._accum_managed = True
-        engine.add_apply_hook(self._update_moving_from_window)
+        engine.add_apply_hook(
+            self._update_moving_from_window,
+            state=self._accum_window.variables,
+        )
 
     def call(self, inputs, training=None, mask=None):
         if not (self._accum_managed and training and self.trainable):

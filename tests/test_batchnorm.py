@@ -323,6 +323,43 @@ class AccumBatchNormalizationTest(tf.test.TestCase, parameterized.TestCase):
         self.assertNotAllClose(_moving(naive)[1], _moving(reference)[1],
                                atol=1e-2)
 
+    @parameterized.named_parameters(("keras", ".keras"),
+                                    ("weights_h5", ".weights.h5"))
+    def test_save_mid_window_keeps_the_window_of_moments(self, suffix):
+        # Windows of 4 micro-batches of 4; saved after 3 micro-batches of the
+        # second window and resumed. Ground truth: plain large-batch fit
+        # (batch 16) of the same input-BN model, uninterrupted.
+        x, y = _data(32)
+        reference = _input_bn_model(keras.Model,
+                                    keras.layers.BatchNormalization)
+        reference.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+        reference.fit(x, y, batch_size=16, shuffle=False, verbose=0)
+
+        def fresh():
+            model = _input_bn_model(AccumModel, AccumBatchNormalization,
+                                    accum_steps=4, epoch_end="carry")
+            model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+            return model
+
+        model = fresh()
+        model.fit(x[:28], y[:28], batch_size=4, shuffle=False, verbose=0)
+        self.assertEqual(int(model.gradient_accumulator.micro_step), 3)
+        path = os.path.join(self.get_temp_dir(), "mid" + suffix)
+        if suffix == ".keras":
+            model.save(path)
+            restored = keras.models.load_model(path)
+        else:
+            model.save_weights(path)
+            restored = fresh()
+            restored.load_weights(path)
+        restored.fit(x[28:], y[28:], batch_size=4, shuffle=False, verbose=0)
+
+        self.assertEqual(int(restored.optimizer.iterations), 2)
+        # (Not the Dense weights: each micro-batch is normalized with its own
+        # moments, the large batch with its 16 samples'.)
+        for got, want in zip(_moving(restored), _moving(reference)):
+            self.assertAllClose(got, want, rtol=1e-6, atol=1e-6)
+
     def test_keras_file_round_trip(self):
         x, y = _data(16)
         model = _input_bn_model(
