@@ -21,6 +21,7 @@ from accum_model import GradientAccumulator
 from accum_model import replace_batchnorm
 from accum_model._keras import LEGACY
 from accum_model._keras import keras
+from tests import testing_utils as tu
 
 _KERAS3_ONLY = unittest.skipIf(
     LEGACY, "AccumBatchNormalization needs Keras 3"
@@ -345,13 +346,7 @@ class AccumBatchNormalizationTest(tf.test.TestCase, parameterized.TestCase):
         model.fit(x[:28], y[:28], batch_size=4, shuffle=False, verbose=0)
         self.assertEqual(int(model.gradient_accumulator.micro_step), 3)
         path = os.path.join(self.get_temp_dir(), "mid" + suffix)
-        if suffix == ".keras":
-            model.save(path)
-            restored = keras.models.load_model(path)
-        else:
-            model.save_weights(path)
-            restored = fresh()
-            restored.load_weights(path)
+        restored = tu.save_and_load(model, path, fresh)
         restored.fit(x[28:], y[28:], batch_size=4, shuffle=False, verbose=0)
 
         self.assertEqual(int(restored.optimizer.iterations), 2)

@@ -57,7 +57,9 @@ def _all_finite(model):
     return all(np.all(np.isfinite(w)) for w in model.get_weights())
 
 
-class MixedFloat16Test(tf.test.TestCase, parameterized.TestCase):
+class _MixedFloat16TestCase(tf.test.TestCase, parameterized.TestCase):
+    """Runs each test under the `mixed_float16` policy."""
+
     def setUp(self):
         super().setUp()
         keras.mixed_precision.set_global_policy("mixed_float16")
@@ -66,6 +68,8 @@ class MixedFloat16Test(tf.test.TestCase, parameterized.TestCase):
         keras.mixed_precision.set_global_policy("float32")
         super().tearDown()
 
+
+class MixedFloat16Test(_MixedFloat16TestCase):
     def _fit(self, x, y, optimizer, **fit_kwargs):
         model = tu.mlp(AccumModel, accum_steps=_STEPS)
         model.compile(optimizer=optimizer, loss="mse")
@@ -220,16 +224,8 @@ def _custom_loop(x, y, optimizer, compiled):
     return model, accumulator
 
 
-class CustomLoopLossScaleTest(tf.test.TestCase, parameterized.TestCase):
+class CustomLoopLossScaleTest(_MixedFloat16TestCase):
     """`GradientAccumulator.step` with a LossScaleOptimizer, no `fit`."""
-
-    def setUp(self):
-        super().setUp()
-        keras.mixed_precision.set_global_policy("mixed_float16")
-
-    def tearDown(self):
-        keras.mixed_precision.set_global_policy("float32")
-        super().tearDown()
 
     @parameterized.product(
         compiled=[False, True],

@@ -615,15 +615,14 @@ class StateTest(tf.test.TestCase, parameterized.TestCase):
         model.fit(x[:6], y[:6], batch_size=2, shuffle=False, verbose=0)
         self.assertEqual(int(model.gradient_accumulator.micro_step), 3)
         path = os.path.join(self.get_temp_dir(), "mid" + suffix)
-        if suffix == ".keras":
-            model.save(path)
-            restored = keras.models.load_model(path)
-        else:
-            model.save_weights(path)
-            restored = tu.mlp(AccumModel, accum_steps=4, epoch_end="carry")
-            restored.compile(tu.OPTIMIZERS["adam"](), "mse")
-            restored.optimizer.build(restored.trainable_variables)
-            restored.load_weights(path)
+
+        def fresh():
+            new = tu.mlp(AccumModel, accum_steps=4, epoch_end="carry")
+            new.compile(tu.OPTIMIZERS["adam"](), "mse")
+            new.optimizer.build(new.trainable_variables)
+            return new
+
+        restored = tu.save_and_load(model, path, fresh)
         self.assertEqual(int(restored.gradient_accumulator.micro_step), 3)
         restored.fit(x[6:], y[6:], batch_size=2, shuffle=False, verbose=0)
         tu.assert_same_trajectory(

@@ -129,3 +129,18 @@ def train(model, x, y, batch_size, epochs=1, optimizer="sgd", loss="mse",
 
 def as_dataset(x, y, batch_size):
     return tf.data.Dataset.from_tensor_slices((x, y)).batch(batch_size)
+
+
+def save_and_load(model, path, make_model):
+    """Saves `model` to `path` and loads it back, by the path's format.
+
+    A `.keras` file loads as a whole model; a `.weights.h5` file loads into
+    `make_model()`, a fresh model compiled as the saved one was.
+    """
+    if path.endswith(".keras"):
+        model.save(path)
+        return keras.models.load_model(path)
+    model.save_weights(path)
+    restored = make_model()
+    restored.load_weights(path)
+    return restored
