@@ -272,14 +272,33 @@ class GradientAccumulator(tf.Module):
 
         Returns:
             A bool scalar tensor: whether this call closed a window.
+
+        Raises:
+            ValueError: If `grads` does not hold one gradient per variable,
+                or if a Keras 3 `LossScaleOptimizer` is not built yet when
+                the step is traced.
         """
         from accum_model import _keras
 
         adapter = _keras.ADAPTER
+        scaling = adapter.is_loss_scale_optimizer(optimizer)
         # Checked before the loss scale moves or the optimizer is built.
         grads = self._checked(grads)
+        if (
+            scaling
+            and not tf.executing_eagerly()
+            and not adapter.loss_scale_is_variable(optimizer)
+        ):
+            raise ValueError(
+                "`optimizer` must be built before a step that scales its "
+                "loss is traced: until then Keras 3's `scale_loss` "
+                "multiplies by the initial scale as a constant, which would "
+                "stay in the traced step while the scale moves. Call "
+                "`optimizer.build(variables)` first. Received: an unbuilt "
+                f"{type(optimizer).__name__}"
+            )
         self._build_optimizer(optimizer)
-        if adapter.is_loss_scale_optimizer(optimizer):
+        if scaling:
             weight = tf.cast(weight, tf.float32)
             grads, finite = _mixed_precision.unscale_and_check(
                 grads,

@@ -235,6 +235,15 @@ class _Keras3Adapter:
         return tf.cast(tf.convert_to_tensor(optimizer.dynamic_scale),
                        tf.float32)
 
+    def loss_scale_is_variable(self, optimizer):
+        """Whether the scale a loss is scaled by now is read from a variable.
+
+        Keras 3's `scale_loss` multiplies by the initial scale, a Python
+        float, until the optimizer is built: traced then, a step keeps that
+        constant whatever the scale becomes.
+        """
+        return optimizer.built
+
     def applied_gradient_scale(self, optimizer):
         """Float32 scalar: the scale of gradients handed to `optimizer`.
 
@@ -410,6 +419,10 @@ class _TfKerasAdapter(_Keras3Adapter):
 
     def loss_scale(self, optimizer):
         return tf.cast(optimizer.loss_scale, tf.float32)
+
+    def loss_scale_is_variable(self, optimizer):
+        del optimizer  # tf_keras creates the scale variable with the optimizer.
+        return True
 
     def applied_gradient_scale(self, optimizer):
         # tf_keras' `apply_gradients` takes gradients already unscaled with

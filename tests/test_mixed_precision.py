@@ -251,6 +251,33 @@ class CustomLoopLossScaleTest(_MixedFloat16TestCase):
         self.assertEqual(int(accumulator.skipped_steps), len(overflowing))
         self.assertEqual(float(ADAPTER.loss_scale(optimizer)), final_scale)
 
+    def test_unbuilt_optimizer_in_a_traced_step_is_refused(self):
+        if LEGACY:
+            self.skipTest("tf_keras' scale is a variable from the start")
+        model = tu.mlp(keras.Model)
+        optimizer = _lso()
+        accumulator = GradientAccumulator(model.trainable_variables,
+                                          accum_steps=_STEPS)
+
+        @tf.function
+        def train_step(x, y):
+            with tf.GradientTape() as tape:
+                y_pred = tf.cast(model(x), tf.float32)
+                loss = tf.reduce_mean(tf.square(y_pred - y))
+                scaled = optimizer.scale_loss(loss)
+            grads = tape.gradient(scaled, model.trainable_variables)
+            return accumulator.step(grads, optimizer)
+
+        x, y = _data()
+        with self.assertRaisesRegex(ValueError, "must be built before"):
+            train_step(x[:_MICRO], y[:_MICRO])
+        self.assertFalse(optimizer.built)
+        self.assertEqual(int(accumulator.micro_step), 0)
+        # Built first, the same step runs and keeps up with the scale.
+        optimizer.build(model.trainable_variables)
+        train_step(x[:_MICRO], y[:_MICRO])
+        self.assertEqual(int(accumulator.micro_step), 1)
+
     def test_wrong_number_of_gradients_moves_nothing(self):
         model = tu.mlp(keras.Model)
         optimizer = _lso()
