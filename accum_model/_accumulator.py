@@ -220,9 +220,10 @@ class GradientAccumulator(tf.Module):
 
         Args:
             fn: Callable without arguments.
-            state: Variables that hold the hook's part of the open window.
-                They join `state_variables`, so an open window is saved and
-                restored whole.
+            state: Variables that hold the hook's part of the open window
+                (all zeros when it is empty). They join `state_variables`, so
+                an open window is saved and restored whole, and `reset()`
+                zeroes them.
         """
         self._on_apply.append(fn)
         self._hook_state.extend(state)
@@ -348,6 +349,8 @@ class GradientAccumulator(tf.Module):
     def reset(self):
         """Discards the open window without applying it."""
         self._reset_window()
+        for v in self._hook_state:
+            v.assign(tf.zeros_like(v))
 
     def _reset_window(self):
         # The next window's length is latched here, when the last one ends,

@@ -355,6 +355,30 @@ class AccumBatchNormalizationTest(tf.test.TestCase, parameterized.TestCase):
         for got, want in zip(_moving(restored), _moving(reference)):
             self.assertAllClose(got, want, rtol=1e-6, atol=1e-6)
 
+    def test_reset_discards_the_window_of_moments(self):
+        # reset() discards the open window: the gradients' and the moments'.
+        # Ground truth: a model that never saw the discarded micro-batches.
+        x, y = _data(24)
+
+        def fresh():
+            model = _input_bn_model(AccumModel, AccumBatchNormalization,
+                                    accum_steps=4, epoch_end="carry")
+            model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+            return model
+
+        model, reference = fresh(), fresh()
+        model.fit(x[16:], y[16:], batch_size=4, shuffle=False, verbose=0)
+        self.assertEqual(int(model.gradient_accumulator.micro_step), 2)
+        model.gradient_accumulator.reset()
+        for m in (model, reference):
+            m.fit(x[:16], y[:16], batch_size=4, shuffle=False, verbose=0)
+        self.assertEqual(int(model.optimizer.iterations), 1)
+        for got, want in zip(_moving(model), _moving(reference)):
+            self.assertAllClose(got, want, rtol=1e-6, atol=1e-6)
+        tu.assert_same_trajectory(
+            self, [reference.get_weights()], [model.get_weights()]
+        )
+
     def test_keras_file_round_trip(self):
         x, y = _data(16)
         model = _input_bn_model(
