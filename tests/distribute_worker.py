@@ -215,7 +215,6 @@ def _loop_case(strategy, case):
     """GradientAccumulator in a custom loop: strategy.run per micro-batch."""
     from accum_model import GradientAccumulator
     from accum_model._keras import ADAPTER
-    from accum_model._keras import LEGACY
     from tests import allreduce_counter
     from tests import testing_utils as tu
 
@@ -243,12 +242,10 @@ def _loop_case(strategy, case):
             y_pred = tf.cast(model(xb, training=True), tf.float32)
             loss = tf.reduce_mean(tf.square(y_pred - yb))
             if scaling:
-                # As each Keras generation's LossScaleOptimizer takes it.
-                loss = (optimizer.get_scaled_loss(loss) if LEGACY
-                        else optimizer.scale_loss(loss))
+                loss = tu.scale_loss(optimizer, loss)
         grads = tape.gradient(loss, model.trainable_variables)
-        if scaling and LEGACY:
-            grads = optimizer.get_unscaled_gradients(grads)
+        if scaling:
+            grads = tu.gradients_to_apply(optimizer, grads)
         return accumulator.step(grads, optimizer, weight=tf.shape(xb)[0])
 
     @tf.function

@@ -97,6 +97,14 @@ def _input_bn_model(cls, bn_cls, **kwargs):
     return cls(inputs, outputs, **kwargs)
 
 
+def _carrying_input_bn_model():
+    """An input-BN AccumModel, windows of 4, open windows carried, compiled."""
+    model = _input_bn_model(AccumModel, AccumBatchNormalization,
+                            accum_steps=4, epoch_end="carry")
+    model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+    return model
+
+
 def _dense_bn_model(bn_cls, **kwargs):
     keras.utils.set_random_seed(3)
     inputs = keras.Input((4,))
@@ -336,17 +344,12 @@ class AccumBatchNormalizationTest(tf.test.TestCase, parameterized.TestCase):
         reference.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
         reference.fit(x, y, batch_size=16, shuffle=False, verbose=0)
 
-        def fresh():
-            model = _input_bn_model(AccumModel, AccumBatchNormalization,
-                                    accum_steps=4, epoch_end="carry")
-            model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
-            return model
-
-        model = fresh()
+        model = _carrying_input_bn_model()
         model.fit(x[:28], y[:28], batch_size=4, shuffle=False, verbose=0)
         self.assertEqual(int(model.gradient_accumulator.micro_step), 3)
         path = os.path.join(self.get_temp_dir(), "mid" + suffix)
-        restored = tu.save_and_load(model, path, fresh)
+        restored = tu.save_and_load(model, path,
+                                    _carrying_input_bn_model)
         restored.fit(x[28:], y[28:], batch_size=4, shuffle=False, verbose=0)
 
         self.assertEqual(int(restored.optimizer.iterations), 2)
@@ -360,13 +363,8 @@ class AccumBatchNormalizationTest(tf.test.TestCase, parameterized.TestCase):
         # Ground truth: a model that never saw the discarded micro-batches.
         x, y = _data(24)
 
-        def fresh():
-            model = _input_bn_model(AccumModel, AccumBatchNormalization,
-                                    accum_steps=4, epoch_end="carry")
-            model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
-            return model
-
-        model, reference = fresh(), fresh()
+        model = _carrying_input_bn_model()
+        reference = _carrying_input_bn_model()
         model.fit(x[16:], y[16:], batch_size=4, shuffle=False, verbose=0)
         self.assertEqual(int(model.gradient_accumulator.micro_step), 2)
         model.gradient_accumulator.reset()

@@ -207,13 +207,10 @@ def _custom_loop(x, y, optimizer, compiled):
     def train_step(xb, yb):
         with tf.GradientTape() as tape:
             loss = loss_fn(yb, model(xb, training=True))
-            if LEGACY:
-                scaled = optimizer.get_scaled_loss(loss)
-            else:
-                scaled = optimizer.scale_loss(loss)
-        grads = tape.gradient(scaled, variables)
-        if LEGACY:
-            grads = optimizer.get_unscaled_gradients(grads)
+            scaled = tu.scale_loss(optimizer, loss)
+        grads = tu.gradients_to_apply(
+            optimizer, tape.gradient(scaled, variables)
+        )
         return accumulator.step(grads, optimizer, weight=tf.shape(xb)[0])
 
     if compiled:

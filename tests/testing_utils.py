@@ -131,6 +131,24 @@ def as_dataset(x, y, batch_size):
     return tf.data.Dataset.from_tensor_slices((x, y)).batch(batch_size)
 
 
+def scale_loss(optimizer, loss):
+    """`loss` scaled by a LossScaleOptimizer, as its generation's loops do."""
+    if LEGACY:
+        return optimizer.get_scaled_loss(loss)
+    return optimizer.scale_loss(loss)
+
+
+def gradients_to_apply(optimizer, grads):
+    """Gradients of a `scale_loss` loss, as the LossScaleOptimizer takes them.
+
+    Keras 3's `apply` takes them scaled; tf_keras' `apply_gradients` takes
+    them through `get_unscaled_gradients`.
+    """
+    if LEGACY:
+        return optimizer.get_unscaled_gradients(grads)
+    return grads
+
+
 def save_and_load(model, path, make_model):
     """Saves `model` to `path` and loads it back, by the path's format.
 
