@@ -287,12 +287,13 @@ class _Keras3Adapter:
         """The compiled loss's terms for one micro-batch, as Keras computes them.
 
         Returns:
-            A list of `(reduction, y_pred, sample_weight, mask)`, one per
-            per-output loss, or None when there is no built compiled loss.
-            `reduction` is one of "sum_over_batch_size",
-            "mean_with_sample_weight", "sum", "none".
+            A list of `(reduction, y_true, y_pred, sample_weight, mask,
+            loss_fn)`, one per per-output loss, or None when there is no
+            built compiled loss. `reduction` is one of
+            "sum_over_batch_size", "mean_with_sample_weight", "sum",
+            "none"; `y_true` is None when the targets cannot be paired
+            with the output without Keras' own fallbacks.
         """
-        del y  # Keras 3 pairs targets by the same paths as predictions.
         # `_compile_loss` (private) is the `CompileLoss` that
         # `compute_loss` calls; its per-output `Loss` objects carry the
         # reductions, and `_flat_losses` their paths into `y_pred`.
@@ -314,9 +315,20 @@ class _Keras3Adapter:
         nested_weights = sample_weight is not None and tree.is_nested(
             sample_weight
         )
+        # Targets by the same paths as predictions, as `CompileLoss.call`
+        # pairs them in the common cases (one output, or the same
+        # structure); its other fallbacks are not replayed here.
+        nested_targets = tree.is_nested(y)
         terms = []
         for path, loss_fn, _, _ in compile_loss._flat_losses:
             y_p = _resolve_path(path, y_pred)
+            if not nested_targets:
+                y_t = y if not tree.is_nested(y_pred) else None
+            else:
+                try:
+                    y_t = _resolve_path(path, y)
+                except (KeyError, IndexError, TypeError):
+                    y_t = None
             sw = (
                 _resolve_path(path, sample_weight)
                 if nested_weights
@@ -327,7 +339,9 @@ class _Keras3Adapter:
                 reduction = "sum_over_batch_size"
             elif reduction is None:
                 reduction = "none"
-            terms.append((reduction, y_p, sw, self.keras_mask(y_p)))
+            terms.append(
+                (reduction, y_t, y_p, sw, self.keras_mask(y_p), loss_fn)
+            )
         return terms
 
     # Serialization and callbacks
@@ -487,7 +501,9 @@ class _TfKerasAdapter(_Keras3Adapter):
             reduction = reductions.get(
                 getattr(loss_obj, "reduction", "auto"), "sum_over_batch_size"
             )
-            terms.append((reduction, y_p, sw, self.keras_mask(y_p)))
+            terms.append(
+                (reduction, y_t, y_p, sw, self.keras_mask(y_p), loss_obj)
+            )
         return terms
 
 
