@@ -8,6 +8,8 @@ Private Keras names used here, each for a reason given where it is used, are
 the only ones in the package.
 """
 
+import os
+
 import tensorflow as tf
 
 # `tf.keras` is the Keras that TensorFlow was told to use; its full package
@@ -356,6 +358,49 @@ class _Keras3Adapter:
 
     callback_base = keras.callbacks.Callback
 
+    # Resuming mid-epoch (`ResumableBackup`)
+
+    # Keras 3 saves weights, optimizer and the accumulation window only in
+    # its `.weights.h5` format.
+    backup_suffix = ".weights.h5"
+
+    def backup_files(self, path):
+        """The files `model.save_weights(path)` writes."""
+        return [path]
+
+    def start_at_epoch(self, model, epoch):
+        """Makes the `fit` now starting (in `on_train_begin`) begin at `epoch`.
+
+        `fit` reads `_initial_epoch` (private; what Keras'
+        `BackupAndRestore` sets) right after `on_train_begin`.
+        """
+        model._initial_epoch = epoch
+
+    def clear_start_epoch(self, model):
+        # Keras never resets it: a later `fit` would start there too.
+        model._initial_epoch = None
+
+    def steps_per_execution(self, model):
+        return model.steps_per_execution
+
+    def build_optimizer_for_restore(self, optimizer, variables):
+        """Creates the optimizer's slots before a checkpoint is loaded."""
+        self.build_optimizer(optimizer, variables)
+
+
+class _ResumeCounters:
+    """What tf_keras' `fit` asks `model._training_state` for (private)."""
+
+    def __init__(self, epoch):
+        self.epoch = epoch
+
+    def maybe_load_initial_counters_from_ckpt(self, steps_per_epoch,
+                                              initial_epoch, mode=None):
+        del steps_per_epoch, initial_epoch, mode
+        # Step 0: the callback skips the consumed batches itself (tf_keras'
+        # own initial step shortens the epoch without skipping its data).
+        return self.epoch, 0
+
 
 class _TfKerasAdapter(_Keras3Adapter):
     """Keras 2 (`tf_keras`), what `tf.keras` is under TF_USE_LEGACY_KERAS=1."""
@@ -415,6 +460,37 @@ class _TfKerasAdapter(_Keras3Adapter):
 
     def is_loss_scale_optimizer(self, optimizer):
         return isinstance(optimizer, keras.mixed_precision.LossScaleOptimizer)
+
+    # tf_keras' `.h5` weights leave out the optimizer; its TensorFlow
+    # checkpoint format keeps the optimizer and the accumulation window.
+    backup_suffix = ""
+
+    def backup_files(self, path):
+        directory = os.path.dirname(path)
+        prefix = os.path.basename(path)
+        return [
+            os.path.join(directory, name)
+            for name in os.listdir(directory or ".")
+            if name.startswith(prefix + ".")
+        ]
+
+    def start_at_epoch(self, model, epoch):
+        # Read by tf_keras' `fit` right after `on_train_begin`, as its own
+        # BackupAndRestore's worker training state is.
+        model._training_state = _ResumeCounters(epoch)
+
+    def clear_start_epoch(self, model):
+        model._training_state = None
+
+    def steps_per_execution(self, model):
+        # Private: tf_keras keeps it in a variable.
+        return int(model._steps_per_execution.numpy())
+
+    def build_optimizer_for_restore(self, optimizer, variables):
+        # `_built` (private) is set by `build`, absent before it.
+        inner = self.inner_optimizer(optimizer)
+        if hasattr(inner, "build") and not getattr(inner, "_built", False):
+            inner.build(variables)
 
     def track_state(self, model, engine):
         # tf_keras' BackupAndRestore and `save_weights` in TF format write
