@@ -27,6 +27,11 @@ _ON_READ = tf.VariableSynchronization.ON_READ
 _SUM = tf.VariableAggregation.SUM
 _FIRST = tf.VariableAggregation.ONLY_FIRST_REPLICA
 
+# The last variables of `Window._state_variables` that files saved by earlier
+# versions lack: which variables received gradients (then known again from
+# the next traced step) and the count of discarded windows (then 0).
+LEGACY_STATE_TAIL = 2
+
 
 def validate_accum_steps(accum_steps):
     """Returns `accum_steps` as a Python int, or raises `ValueError`.
@@ -76,9 +81,11 @@ class Window(tf.Module):
         self._on_apply = []
         # Variables of the apply hooks' own windows, saved with the engine.
         self._hook_state = []
-        # Which variables ever received a gradient, known at trace time: the
-        # others get `None` at apply, as plain training gives them (so the
-        # optimizer neither decays nor counts them, and warns as Keras does).
+        # Which variables ever received a gradient: the others get `None` at
+        # apply, as plain training gives them (so the optimizer neither
+        # decays nor counts them, and warns as Keras does). Known when a
+        # step is traced, and saved (`_received_flags`) so that a restored
+        # window can be applied before any step is traced.
         self._received = [False] * len(variables)
         with tf.init_scope(), tf.name_scope(self.name):
             self._accum_steps = tf.Variable(
@@ -95,6 +102,14 @@ class Window(tf.Module):
             self._micro_step = self._counter("micro_step")
             self._contributed = self._counter("contributed_steps")
             self._skipped = self._counter("skipped_steps")
+            self._discarded = self._counter("discarded_windows")
+            self._received_flags = tf.Variable(
+                tf.zeros([len(variables)], tf.int64),
+                trainable=False,
+                name="received",
+                synchronization=_ON_READ,
+                aggregation=_FIRST,
+            )
             self._weight_sum = tf.Variable(
                 0.0,
                 dtype=tf.float32,
@@ -154,6 +169,16 @@ class Window(tf.Module):
         """Int64 tensor. Micro-batches left out for non-finite gradients."""
         return self._skipped.read_value()
 
+    @property
+    def discarded_windows(self):
+        """Int64 tensor. Windows not applied: their gradients were not finite.
+
+        A window whose accumulated gradients hold an `inf` or `NaN` (on any
+        replica) is discarded whole when it closes, whatever closes it, and
+        counted here; the weights stay those of the last finite update.
+        """
+        return self._discarded.read_value()
+
     def reset(self):
         """Discards the open window without applying it."""
         self._reset_window()
@@ -166,13 +191,18 @@ class Window(tf.Module):
     @property
     def _state_variables(self):
         """Every variable of the state, in a fixed order, for saving it."""
+        # Appended ones last: a file saved without them still loads (see
+        # `LEGACY_STATE_TAIL`).
         return [
             self._micro_step,
             self._window_steps,
             self._contributed,
             self._skipped,
             self._weight_sum,
-        ] + self._accumulators + self._hook_state
+        ] + self._accumulators + self._hook_state + [
+            self._received_flags,
+            self._discarded,
+        ]
 
     def _add_apply_hook(self, fn, state=()):
         """Registers `fn()` to run inside the branch that applies a window.
@@ -214,9 +244,10 @@ class Window(tf.Module):
         """
         grads = self._checked(grads)
         weight = tf.cast(weight, tf.float32)
-        for i, g in enumerate(grads):
-            if g is not None:
-                self._received[i] = True
+        received = [r or g is not None for r, g in zip(self._received, grads)]
+        if received != self._received:
+            self._received = received
+            self._save_received()
 
         # The window's first contribution overwrites what the last window
         # left, so no pass is spent zeroing the accumulators; one `tf.cond`
@@ -266,6 +297,57 @@ class Window(tf.Module):
             tf.cond(is_finite, add, skip)
         self._micro_step.assign_add(1)
 
+    def _save_received(self):
+        # Set when a step is traced, before it first runs, so every saved
+        # state of a window already holds it.
+        flags = [int(r) for r in self._received]
+
+        def assign():
+            with tf.init_scope():
+                self._received_flags.assign(flags)
+
+        _control_flow.call_in_cross_replica_context(assign)
+
+    def _receiving(self):
+        """Per variable: whether it gets a gradient at apply (trace time).
+
+        What traced steps have seen, joined with what was saved: a window
+        restored from a file or checkpoint is applicable before any step.
+        """
+        if all(self._received):
+            return self._received
+
+        def read():
+            with tf.init_scope():
+                return self._received_flags.numpy()
+
+        saved = _control_flow.call_in_cross_replica_context(read)
+        self._received = [
+            r or bool(s) for r, s in zip(self._received, saved)
+        ]
+        return self._received
+
+    def _all_finite(self):
+        """Bool scalar: whether the window is finite on every replica.
+
+        In replica context. One pass over the accumulators, once per window;
+        under a strategy the replicas' counts are summed, so the decision is
+        the same on every replica.
+        """
+        bad = [
+            tf.logical_not(tf.reduce_all(tf.math.is_finite(acc)))
+            for acc in self._accumulators
+        ] + [tf.logical_not(tf.math.is_finite(self._weight_sum.read_value()))]
+        bad = tf.reduce_sum(tf.cast(tf.stack(bad), tf.float32))
+        if _control_flow.in_replica_context_of_strategy():
+            bad = tf.distribute.get_replica_context().all_reduce(
+                tf.distribute.ReduceOp.SUM, bad
+            )
+        return tf.equal(bad, 0.0)
+
+    def _discard(self):
+        self._discarded.assign_add(1)
+
     def _close_if_full(self, apply_fn):
         """Closes the window when it holds `window_steps` micro-batches."""
         return self._close_if(
@@ -287,15 +369,19 @@ class Window(tf.Module):
         # that does not close a window runs none of it. A window whose
         # micro-batches were all left out applies nothing. No pass over the
         # accumulators: the next window's first contribution overwrites them.
+        # A window that is not finite is discarded, never applied.
+        receiving = self._receiving()
         _control_flow.close_if(
             should_close,
             apply_if=lambda: self._contributed > 0,
-            apply_fn=lambda: self._apply_mean(apply_fn),
+            apply_fn=lambda: self._apply_mean(apply_fn, receiving),
             then=self._reset_window,
+            check=self._all_finite,
+            on_failed_check=self._discard,
         )
         return should_close
 
-    def _apply_mean(self, apply_fn):
+    def _apply_mean(self, apply_fn, receiving):
         # In replica context. The weight sum is global: replicas may hold
         # unequal (even empty) shards of a global batch.
         weight_sum = self._weight_sum.read_value()
@@ -309,7 +395,7 @@ class Window(tf.Module):
         grads = [
             tf.cast(acc * inverse, v.dtype) if received else None
             for acc, v, received in zip(
-                self._accumulators, self._variables, self._received
+                self._accumulators, self._variables, receiving
             )
         ]
         apply_fn(grads, self._variables)
