@@ -73,6 +73,10 @@ class Window(tf.Module):
         ValueError: If `accum_steps` is not an integer >= 1.
     """
 
+    # Whether a close checks that the window is finite; off only in
+    # benchmarks/bench_fit.py (`--finite_check_cost`), to time the check.
+    _check_finite = True
+
     def __init__(self, variables, accum_steps=1, name=None):
         accum_steps = validate_accum_steps(accum_steps)
         variables = list(variables)
@@ -376,7 +380,7 @@ class Window(tf.Module):
             apply_if=lambda: self._contributed > 0,
             apply_fn=lambda: self._apply_mean(apply_fn, receiving),
             then=self._reset_window,
-            check=self._all_finite,
+            check=self._all_finite if self._check_finite else None,
             on_failed_check=self._discard,
         )
         return should_close

@@ -35,6 +35,11 @@ from order statistics: with 12 repeats the 3rd smallest and 3rd largest
 ratio, 96%). A ratio whose interval holds 1 is not distinguishable from 1
 here; the JSON also has min, max and every repeat's ratio.
 
+With `--finite_check_cost` a seventh contender, `accum_unchecked`, is an
+`AccumModel` whose window close skips the check that the window is finite
+(a private switch, for this measurement only): accum / accum_unchecked is
+what discarding non-finite windows costs.
+
 It also reports the accumulator's memory (every state variable of the
 engine, in bytes, against the bytes of the trainable weights), the number of
 Python traces of `train_step` for `accum` and `plain_B` over all the `fit`
@@ -109,6 +114,24 @@ _QUICK = flags.DEFINE_bool(
     "Tiny models, one repeat, a few steps: checks the program, times "
     "nothing worth reading.")
 _JSON = flags.DEFINE_string("json", None, "Also write the results here.")
+_FINITE_CHECK_COST = flags.DEFINE_bool(
+    "finite_check_cost", False,
+    "Also time accum_unchecked: AccumModel without the once-per-window "
+    "check that the accumulated gradients are finite.")
+
+
+def _contender_names():
+    names = [c for c in CONTENDERS if not (c == "builtin" and LEGACY)]
+    if _FINITE_CHECK_COST.value:
+        names.append("accum_unchecked")
+    return names
+
+
+def _references():
+    references = dict(REFERENCES)
+    if _FINITE_CHECK_COST.value:
+        references["accum_unchecked"] = "accum / unchecked"
+    return references
 
 
 # Workloads. Each returns (inputs, outputs, x, y): a functional graph built
@@ -210,6 +233,18 @@ def _counting(base):
     return Counting
 
 
+def _unchecked(base):
+    class Unchecked(base):
+        def make_train_function(self, force=False):
+            train_function = super().make_train_function(force=force)
+            # Private: the window's finite check, switched off before the
+            # first trace.
+            self.gradient_accumulator._check_finite = False
+            return train_function
+
+    return Unchecked
+
+
 def _floor_class():
     class Floor(keras.Model):
         """Forward and backward at micro-batch B; the gradients are dropped.
@@ -299,13 +334,15 @@ class _Contender:
 
 def _build_contenders(workload, optimizer, micro, n, quick, samples):
     builder = _BUILDERS[workload]
-    names = [c for c in CONTENDERS if not (c == "builtin" and LEGACY)]
+    names = _contender_names()
     contenders = []
     for name in names:
         keras.utils.set_random_seed(0)
         inputs, outputs, x, y = builder(quick, samples)
         if name in ("accum", "accum_again"):
             cls, kwargs = _counting(AccumModel), {"accum_steps": n}
+        elif name == "accum_unchecked":
+            cls, kwargs = _unchecked(AccumModel), {"accum_steps": n}
         elif name == "floor":
             cls, kwargs = _floor_class(), {}
         else:
@@ -453,7 +490,7 @@ def run_one(workload, optimizer, micro, n, repeats, seconds, quick,
         builtin_vars = getattr(optimizer_obj, "_accumulated_gradients", [])
         result["memory"]["builtin_accumulator_bytes"] = _state_bytes(
             builtin_vars)
-    for reference in REFERENCES:
+    for reference in _references():
         if reference not in rates:
             continue
         per_repeat = [a / b for a, b in zip(rates["accum"], rates[reference])]
@@ -503,7 +540,7 @@ def _interval_label(results):
 def format_table(results):
     """The results as a Markdown table (ratios: median [interval])."""
     header = ("| workload | optimizer | params | samples/s plain_B | "
-              + "".join(f"{title} | " for title in REFERENCES.values())
+              + "".join(f"{title} | " for title in _references().values())
               + "accumulator / params bytes | traces accum / plain_B |")
     lines = [header, "|" + "---|" * (header.count("|") - 1)]
     for r in results:
@@ -514,7 +551,7 @@ def format_table(results):
             f"{r['parameters'] / 1e6:.2f}M | "
             f"{r['median_samples_per_second']['plain_B']:.0f} | "
             + "".join(f"{_fmt_ratio(ratios.get(f'accum/{ref}'))} | "
-                      for ref in REFERENCES)
+                      for ref in _references())
             + f"{mem['accumulator_over_parameters']:.4f}x | "
             f"{r['traces']['accum']} / {r['traces']['plain_B']} |")
     return "\n".join(lines)
@@ -569,7 +606,7 @@ def main(argv):
                                  "jit_compile": _JIT_COMPILE.value,
                                  "clock": _CLOCK.value,
                                  "quick": quick},
-                       "contenders": list(CONTENDERS),
+                       "contenders": _contender_names(),
                        "results": results}, f, indent=2)
 
 
