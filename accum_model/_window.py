@@ -248,10 +248,13 @@ class Window(tf.Module):
         """
         grads = self._checked(grads)
         weight = tf.cast(weight, tf.float32)
-        received = [r or g is not None for r, g in zip(self._received, grads)]
-        if received != self._received:
-            self._received = received
-            self._save_received()
+        # Python state, shared by the replicas' traces: only ever grows, and
+        # every replica computes the same union, whatever the trace order.
+        self._received = [
+            r or g is not None for r, g in zip(self._received, grads)
+        ]
+        received_flags = tf.constant([int(r) for r in self._received],
+                                     tf.int64)
 
         # The window's first contribution overwrites what the last window
         # left, so no pass is spent zeroing the accumulators; one `tf.cond`
@@ -271,6 +274,8 @@ class Window(tf.Module):
                 dense.append((acc, g if weighted else g * weight))
 
         def overwrite():
+            # Once per window, before anything of it can be saved.
+            self._received_flags.assign(received_flags)
             for acc, g in dense:
                 acc.assign(g)
             for acc in absent + [acc for acc, _ in sparse]:
@@ -301,17 +306,6 @@ class Window(tf.Module):
             tf.cond(is_finite, add, skip)
         self._micro_step.assign_add(1)
 
-    def _save_received(self):
-        # Set when a step is traced, before it first runs, so every saved
-        # state of a window already holds it.
-        flags = [int(r) for r in self._received]
-
-        def assign():
-            with tf.init_scope():
-                self._received_flags.assign(flags)
-
-        _control_flow.call_in_cross_replica_context(assign)
-
     def _receiving(self):
         """Per variable: whether it gets a gradient at apply (trace time).
 
@@ -320,12 +314,11 @@ class Window(tf.Module):
         """
         if all(self._received):
             return self._received
-
-        def read():
-            with tf.init_scope():
-                return self._received_flags.numpy()
-
-        saved = _control_flow.call_in_cross_replica_context(read)
+        # Read eagerly, without `merge_call`: under a strategy every replica
+        # reads its own copy (all equal), so the replicas' traces stay alike
+        # whichever of them updates the shared Python list first.
+        with tf.init_scope():
+            saved = self._received_flags.numpy()
         self._received = [
             r or bool(s) for r, s in zip(self._received, saved)
         ]
@@ -396,6 +389,10 @@ class Window(tf.Module):
         # One multiply per element; a zero weight sum (all samples weighted
         # 0) gives a zero gradient, as the large batch's zero loss would.
         inverse = tf.math.divide_no_nan(1.0, weight_sum)
+        if not any(receiving):
+            # No step of this engine, nor the state it was restored from, has
+            # given a gradient: nothing was accumulated that could apply.
+            return
         grads = [
             tf.cast(acc * inverse, v.dtype) if received else None
             for acc, v, received in zip(
