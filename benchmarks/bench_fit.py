@@ -36,8 +36,8 @@ from order statistics: with 12 repeats the 3rd smallest and 3rd largest
 ratio, 96%). A ratio whose interval holds 1 is not distinguishable from 1
 here; the JSON also has min, max and every repeat's ratio.
 
-It also reports the accumulator's memory (every variable the engine
-creates, in bytes, against the bytes of the trainable weights), the number of
+It also reports the accumulator's memory (every state variable of the
+engine, in bytes, against the bytes of the trainable weights), the number of
 Python traces of `train_step` for `accum` and `plain_B` over all the `fit`
 calls made here.
 
@@ -390,16 +390,6 @@ def _state_bytes(variables):
         int(np.prod(v.shape)) * tf.as_dtype(v.dtype).size for v in variables)
 
 
-def _engine_state(engine, model):
-    """Every variable the engine created: `engine.variables` minus the model's.
-
-    `tf.Module.variables` also finds the model's variables the engine
-    serves, when they are `tf.Variable`s (tf_keras; Keras 3 wraps them).
-    """
-    own = model.trainable_variables
-    return [v for v in engine.variables if not any(v is w for w in own)]
-
-
 def run_one(workload, optimizer, micro, n, repeats, seconds, quick,
             clock="wall"):
     """Times the contenders on one workload; returns a result dict."""
@@ -461,8 +451,7 @@ def run_one(workload, optimizer, micro, n, repeats, seconds, quick,
         "ratios": {},
         "memory": {
             "trainable_parameter_bytes": params,
-            "accumulator_state_bytes": _state_bytes(
-                _engine_state(engine, accum)),
+            "accumulator_state_bytes": _state_bytes(engine.state_variables),
         },
         "traces": {
             "accum": type(accum).traces,
