@@ -27,7 +27,7 @@ _ON_READ = tf.VariableSynchronization.ON_READ
 _SUM = tf.VariableAggregation.SUM
 _FIRST = tf.VariableAggregation.ONLY_FIRST_REPLICA
 
-# The last variables of `Window._state_variables` that files saved by earlier
+# The last variables of `Window.state_variables` that files saved by earlier
 # versions lack: which variables received gradients (then known again from
 # the next traced step) and the count of discarded windows (then 0).
 LEGACY_STATE_TAIL = 2
@@ -189,12 +189,13 @@ class Window(tf.Module):
         for v in self._hook_state:
             v.assign(tf.zeros_like(v))
 
-    # For the package's front ends (`GradientAccumulator`, `AccumModel`) and
-    # the layers that keep a window of their own (`AccumBatchNormalization`).
-
     @property
-    def _state_variables(self):
-        """Every variable of the state, in a fixed order, for saving it."""
+    def state_variables(self):
+        """Every variable of the open window's state, in a fixed order.
+
+        What a checkpoint of the window must hold (`AccumModel` saves them
+        with the model); also what the accumulation costs in memory.
+        """
         # Appended ones last: a file saved without them still loads (see
         # `LEGACY_STATE_TAIL`).
         return [
@@ -207,6 +208,9 @@ class Window(tf.Module):
             self._received_flags,
             self._discarded,
         ]
+
+    # For the package's front ends (`GradientAccumulator`, `AccumModel`) and
+    # the layers that keep a window of their own (`AccumBatchNormalization`).
 
     def _add_apply_hook(self, fn, state=()):
         """Registers `fn()` to run inside the branch that applies a window.
