@@ -60,7 +60,7 @@ def first_replica(strategy, value):
     return value
 
 
-def _in_xla_context():
+def in_xla_context():
     """Whether the graph being traced is compiled by XLA (`jit_compile`)."""
     try:
         from tensorflow.python.ops import control_flow_util
@@ -76,7 +76,7 @@ def run_if(pred, fn):
 
     Only the taken branch runs, also under XLA.
     """
-    if _in_xla_context():
+    if in_xla_context():
 
         def body(i):
             fn()

@@ -331,15 +331,29 @@ class Window(tf.Module):
     def _all_finite(self):
         """Bool scalar: whether the window is finite on every replica.
 
-        In replica context. One pass over the accumulators, once per window;
-        under a strategy the replicas' counts are summed, so the decision is
-        the same on every replica.
+        In replica context, once per window. Under a strategy the replicas'
+        counts are summed, so the decision is the same on every replica.
         """
-        bad = [
-            tf.logical_not(tf.reduce_all(tf.math.is_finite(acc)))
-            for acc in self._accumulators
-        ] + [tf.logical_not(tf.math.is_finite(self._weight_sum.read_value()))]
-        bad = tf.reduce_sum(tf.cast(tf.stack(bad), tf.float32))
+        accumulators = self._accumulators + [self._weight_sum]
+
+        def exact():
+            bad = [
+                tf.logical_not(tf.reduce_all(tf.math.is_finite(v)))
+                for v in accumulators
+            ]
+            return tf.reduce_sum(tf.cast(tf.stack(bad), tf.float32))
+
+        # A finite sum proves every element finite (an inf or NaN makes it
+        # inf or NaN), with one read of each accumulator and no temporary.
+        # Only a sum that is not finite (a non-finite element, or finite
+        # values summing past float32's range) pays for the exact count.
+        sums = tf.stack([tf.reduce_sum(v) for v in accumulators])
+        sums_finite = tf.reduce_all(tf.math.is_finite(sums))
+        if _control_flow.in_xla_context():
+            # XLA would run both branches of a conditional.
+            bad = exact()
+        else:
+            bad = tf.cond(sums_finite, lambda: tf.constant(0.0), exact)
         if _control_flow.in_replica_context_of_strategy():
             bad = tf.distribute.get_replica_context().all_reduce(
                 tf.distribute.ReduceOp.SUM, bad

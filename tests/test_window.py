@@ -256,5 +256,31 @@ class NonFiniteWindowTest(tf.test.TestCase, parameterized.TestCase):
                              [[0, 1, 2], [3, 4, 5], [6, 7]])
 
 
+class CustomLoopNonFiniteTest(tf.test.TestCase, parameterized.TestCase):
+    @parameterized.named_parameters(("eager", False), ("function", True))
+    def test_nan_window_discarded_and_huge_finite_window_applied(self,
+                                                                in_function):
+        variable = tf.Variable([1.0, 2.0])
+        optimizer = keras.optimizers.SGD(learning_rate=1e-30)
+        accumulator = GradientAccumulator([variable], accum_steps=2)
+        step = lambda g: accumulator.step([g], optimizer)  # noqa: E731
+        if in_function:
+            step = tf.function(step)
+        # A NaN in the first window: discarded, the variable untouched.
+        step(tf.constant([np.nan, 1.0]))
+        step(tf.constant([1.0, 1.0]))
+        self.assertEqual(int(accumulator.discarded_windows), 1)
+        self.assertAllEqual(variable, [1.0, 2.0])
+        self.assertEqual(int(optimizer.iterations), 0)
+        # A finite window whose elements sum past float32's range (3e38 +
+        # 3e38): applied. By hand: the accumulator holds 3e38 per element,
+        # the mean gradient is 1.5e38, times the learning rate 1e-30.
+        step(tf.constant([1.5e38, 1.5e38]))
+        step(tf.constant([1.5e38, 1.5e38]))
+        self.assertEqual(int(accumulator.discarded_windows), 1)
+        self.assertEqual(int(optimizer.iterations), 1)
+        self.assertAllClose(variable, [1.0 - 1.5e8, 2.0 - 1.5e8], rtol=1e-5)
+
+
 if __name__ == "__main__":
     tf.test.main()
