@@ -11,7 +11,10 @@ the epoch (`shuffle=False`, or a seeded `tf.data` pipeline).
 """
 
 import json
+import numbers
 import os
+
+import numpy as np
 
 from accum_model import _keras
 
@@ -24,11 +27,11 @@ def _validate_save_freq(save_freq):
     if save_freq == "epoch":
         return save_freq
     if (
-        isinstance(save_freq, int)
-        and not isinstance(save_freq, bool)
+        isinstance(save_freq, numbers.Integral)
+        and not isinstance(save_freq, (bool, np.bool_))
         and save_freq >= 1
     ):
-        return save_freq
+        return int(save_freq)
     raise ValueError(
         "`save_freq` must be 'epoch' or an integer >= 1 (batches). "
         f"Received: save_freq={save_freq!r}"
@@ -69,6 +72,10 @@ class ResumableBackup(ADAPTER.callback_base):
             N >= 1: save every N batches, and at the end of every epoch.
         delete_checkpoint: Whether to delete the backup when `fit` ends
             normally (an interrupted `fit` keeps it).
+
+    Attributes:
+        resumed_from: `(epoch, batches)` the last `fit` resumed from, or
+            None when it found no backup.
 
     Raises:
         ValueError: If `backup_dir` is empty or `save_freq` is neither
