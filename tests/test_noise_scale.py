@@ -1,0 +1,251 @@
+"""The noise-scale estimator, against exact per-sample gradients."""
+
+import numpy as np
+import tensorflow as tf
+from absl.testing import parameterized
+
+from accum_model import _noise_scale
+from tests import noise_scale_problem as problem
+
+# Windows of micro-batch sizes; the estimator must not need them equal.
+SIZES = {
+    "equal": (4, 4, 4, 4),
+    "short_last": (8, 8, 8, 3),
+    "mixed": (12, 5, 9, 2, 7),
+    "two": (6, 6),
+}
+
+
+def _run_if(pred, fn):
+    def branch():
+        fn()
+        return tf.constant(True)
+
+    tf.cond(pred, branch, lambda: tf.constant(False))
+
+
+class NoiseScaleConfigTest(tf.test.TestCase, parameterized.TestCase):
+    @parameterized.parameters(0, -1, 1.5, True, "2", None)
+    def test_every_must_be_an_integer_of_at_least_one(self, every):
+        with self.assertRaisesRegex(ValueError, "`every` must be"):
+            _noise_scale.NoiseScale(every=every)
+
+    @parameterized.parameters(1.0, -0.1, 2, "0.9", None, True)
+    def test_beta_must_be_in_unit_interval(self, beta):
+        with self.assertRaisesRegex(ValueError, "`beta` must be"):
+            _noise_scale.NoiseScale(beta=beta)
+
+    def test_as_config(self):
+        self.assertIsNone(_noise_scale.as_config(False))
+        self.assertIsNone(_noise_scale.as_config(None))
+        self.assertEqual(
+            _noise_scale.as_config(True), _noise_scale.NoiseScale()
+        )
+        self.assertEqual(
+            _noise_scale.as_config({"every": 3, "beta": 0.5}),
+            _noise_scale.NoiseScale(every=3, beta=0.5),
+        )
+        with self.assertRaisesRegex(TypeError, "`noise_scale` must be"):
+            _noise_scale.as_config("yes")
+
+
+class SquaredNormTest(tf.test.TestCase):
+    def test_dense_and_none(self):
+        a = np.arange(6, dtype="float32").reshape(2, 3)
+        b = np.array([1.5, -2.0], "float32")
+        norm = _noise_scale.squared_norm([a, None, b])
+        self.assertAllClose(norm, (a**2).sum() + (b**2).sum())
+
+    def test_indexed_slices_sum_repeated_rows_before_squaring(self):
+        # Rows 1 and 3 appear twice: the dense gradient holds their sums.
+        values = np.array(
+            [[1.0, 2.0], [3.0, -1.0], [0.5, 0.5], [-1.0, 4.0], [2.0, 2.0]],
+            "float32",
+        )
+        indices = np.array([1, 3, 1, 0, 3])
+        slices = tf.IndexedSlices(
+            tf.constant(values), tf.constant(indices), tf.constant([5, 2])
+        )
+        dense = np.zeros((5, 2), "float32")
+        np.add.at(dense, indices, values)
+        self.assertAllClose(
+            _noise_scale.squared_norm([slices]), (dense**2).sum()
+        )
+        # Squaring rows before summing them would give another number.
+        self.assertNotAllClose((values**2).sum(), (dense**2).sum())
+
+    def test_half_precision_is_squared_in_float32(self):
+        # 300^2 overflows float16 (max 65504), not float32.
+        g = tf.constant([300.0, 300.0], tf.float16)
+        self.assertAllClose(_noise_scale.squared_norm([g]), 180000.0)
+
+
+def _window_sums(g, indices, sizes):
+    """Per window: q, n, W and |sum_k h_k|^2 from per-sample gradients."""
+    bounds = np.cumsum((0,) + tuple(sizes))
+    q = np.zeros(len(indices))
+    acc = np.zeros((len(indices), g.shape[1]))
+    for start, stop in zip(bounds[:-1], bounds[1:]):
+        h = g[indices[:, start:stop]].sum(axis=1)  # w_k g_k
+        q += (h**2).sum(axis=1) / (stop - start)
+        acc += h
+    return q, len(sizes), float(sum(sizes)), (acc**2).sum(axis=1)
+
+
+class WindowEstimateTest(tf.test.TestCase, parameterized.TestCase):
+    @parameterized.named_parameters(
+        (name, sizes) for name, sizes in SIZES.items()
+    )
+    def test_mean_over_windows_is_the_population_value(self, sizes):
+        x, y = problem.data()
+        kernel, bias = problem.frozen_weights()
+        grad_sq, trace, b_simple = problem.population(x, y, kernel, bias)
+        g = problem.per_sample_gradients(x, y, kernel, bias)
+        windows = 4000
+        indices = problem.window_indices(sizes, windows, len(x))
+        q, n, weight, norm = _window_sums(g, indices, sizes)
+        s_hat, g2_hat, valid = _noise_scale.window_estimate(
+            tf.constant(q, tf.float32),
+            tf.constant(float(n)),
+            tf.constant(weight),
+            tf.constant(norm, tf.float32),
+        )
+        self.assertEqual(float(valid), 1.0)
+        # Standard errors of these means are about 1% (measured on this
+        # problem); a biased estimator (e.g. the nominal size 8 for the
+        # short micro-batch of 3) misses by 30% or more.
+        s_mean = float(np.mean(s_hat))
+        g2_mean = float(np.mean(g2_hat))
+        self.assertAllClose(s_mean, trace, rtol=0.05)
+        self.assertAllClose(g2_mean, grad_sq, rtol=0.05)
+        self.assertAllClose(s_mean / g2_mean, b_simple, rtol=0.06)
+
+    def test_one_micro_batch_gives_no_estimate(self):
+        s, g2, valid = _noise_scale.window_estimate(
+            tf.constant([5.0, 5.0]),
+            tf.constant([1.0, 2.0]),
+            tf.constant([4.0, 0.0]),
+            tf.constant([16.0, 0.0]),
+        )
+        self.assertAllEqual(valid, [0.0, 0.0])
+        self.assertAllEqual(s, [0.0, 0.0])
+        self.assertAllEqual(g2, [0.0, 0.0])
+
+    def test_combine_averages_replicas_with_an_estimate(self):
+        # Replica 0: (S, G2) = (10, 2); replica 1: (14, 4); replica 2: none.
+        summed = tf.constant([24.0, 6.0, 2.0])
+        s, g2, valid = _noise_scale.combine_statistics(summed)
+        self.assertAllClose([s, g2], [12.0, 3.0])
+        self.assertTrue(bool(valid))
+        _, _, valid = _noise_scale.combine_statistics(tf.zeros([3]))
+        self.assertFalse(bool(valid))
+
+
+class EstimatorTest(tf.test.TestCase, parameterized.TestCase):
+    """The stateful estimator, fed as the engine feeds it."""
+
+    def _feed(self, estimator, windows, weighted=True):
+        @tf.function
+        def one_window(hs, weights):
+            accumulators = [tf.zeros([hs.shape[1]])]
+            for k in range(hs.shape[0]):
+                h = hs[k]
+                grads = [h] if weighted else [h / weights[k]]
+                estimator.add(grads, weights[k], weighted, _run_if)
+                accumulators = [accumulators[0] + h]
+            weight = tf.reduce_sum(weights)
+            stats = estimator.statistics(accumulators, weight)
+            estimator.update(stats, weight)
+            estimator.reset_window(closed=True)
+
+        for hs, weights in windows:
+            one_window(
+                tf.constant(hs, tf.float32), tf.constant(weights, tf.float32)
+            )
+
+    def _windows(self, sizes, count, seed=0):
+        x, y = problem.data()
+        kernel, bias = problem.frozen_weights()
+        g = problem.per_sample_gradients(x, y, kernel, bias)
+        indices = problem.window_indices(sizes, count, len(x), seed=seed)
+        bounds = np.cumsum((0,) + tuple(sizes))
+        out = []
+        for row in indices:
+            hs = np.stack(
+                [g[row[a:b]].sum(axis=0) for a, b in zip(bounds[:-1], bounds[1:])]
+            )
+            out.append((hs, np.array(sizes, np.float64)))
+        return out
+
+    def _by_hand(self, windows, beta, every=1):
+        """The smoothed estimates, computed here from the formula."""
+        ema_s = ema_g = 0.0
+        count = 0
+        for i, (hs, weights) in enumerate(windows):
+            if i % every:
+                continue
+            weight = weights.sum()
+            q = ((hs**2).sum(axis=1) / weights).sum()
+            a = (hs.sum(axis=0) ** 2).sum()
+            s = (q - a / weight) / (len(weights) - 1)
+            g2 = a / weight**2 - s / weight
+            ema_s = beta * ema_s + (1 - beta) * s
+            ema_g = beta * ema_g + (1 - beta) * g2
+            count += 1
+        correction = 1 - beta**count
+        return ema_s / correction, ema_g / correction, count
+
+    @parameterized.named_parameters(
+        ("weighted", True, 1), ("unweighted", False, 1),
+        ("every_third", True, 3),
+    )
+    def test_moving_averages_follow_the_formula(self, weighted, every):
+        beta = 0.8
+        estimator = _noise_scale.NoiseScaleEstimator(
+            _noise_scale.NoiseScale(every=every, beta=beta)
+        )
+        windows = self._windows(SIZES["short_last"], 7)
+        self._feed(estimator, windows, weighted=weighted)
+        s, g2, count = self._by_hand(windows, beta, every)
+        self.assertEqual(estimator.measurements, count)
+        self.assertAllClose(estimator.trace_sigma, s, rtol=1e-4)
+        self.assertAllClose(estimator.grad_sq_norm, g2, rtol=1e-4)
+        self.assertAllClose(estimator.b_simple, s / g2, rtol=1e-4)
+
+    def test_smoothed_ratio_is_near_the_population_b_simple(self):
+        x, y = problem.data()
+        kernel, bias = problem.frozen_weights()
+        _, _, b_simple = problem.population(x, y, kernel, bias)
+        estimator = _noise_scale.NoiseScaleEstimator(
+            _noise_scale.NoiseScale(beta=0.998)
+        )
+        self._feed(estimator, self._windows(SIZES["mixed"], 1500))
+        self.assertAllClose(estimator.b_simple, b_simple, rtol=0.08)
+
+    def test_nan_before_a_measurement_and_inf_without_signal(self):
+        estimator = _noise_scale.NoiseScaleEstimator(_noise_scale.NoiseScale())
+        self.assertTrue(np.isnan(estimator.b_simple.numpy()))
+        self.assertTrue(np.isnan(estimator.trace_sigma.numpy()))
+        # Two micro-batches with opposite gradients: |G_w|^2 = 0, so the
+        # window's |G|^2 estimate is negative.
+        self._feed(
+            estimator,
+            [(np.array([[1.0, 0.0], [-1.0, 0.0]]), np.array([1.0, 1.0]))],
+        )
+        self.assertLess(float(estimator.grad_sq_norm), 0.0)
+        self.assertEqual(float(estimator.b_simple), float("inf"))
+
+    def test_a_discarded_window_is_not_counted(self):
+        estimator = _noise_scale.NoiseScaleEstimator(
+            _noise_scale.NoiseScale(every=2)
+        )
+        estimator.add([tf.ones([2])], 1.0, True, _run_if)
+        estimator.reset_window(closed=False)
+        self.assertAllEqual(estimator.measuring(), True)
+        self.assertEqual(float(estimator.state_variables[0]), 0.0)
+        estimator.reset_window(closed=True)
+        self.assertAllEqual(estimator.measuring(), False)
+
+
+if __name__ == "__main__":
+    tf.test.main()
