@@ -37,7 +37,7 @@ _SUM = tf.VariableAggregation.SUM
 _FIRST = tf.VariableAggregation.ONLY_FIRST_REPLICA
 
 # How many float32 scalars each replica adds to the weight-sum all-reduce.
-NUM_STATISTICS = 3
+NUM_STATISTICS = 4
 
 
 class NoiseScale:
@@ -180,19 +180,22 @@ def combine_statistics(summed):
     """Averages per-replica estimates summed by an all-reduce.
 
     Args:
-        summed: Float32 vector `[sum_r v_r S_r, sum_r v_r G2_r, sum_r v_r]`,
-            the sum over replicas of what `NoiseScaleEstimator.statistics`
-            returned (`v_r` is 1.0 where replica `r` had an estimate).
+        summed: Float32 vector `[sum_r v_r S_r, sum_r v_r G2_r, sum_r v_r,
+            sum_r n_r]`, the sum over replicas of what
+            `NoiseScaleEstimator.statistics` returned (`v_r` is 1.0 where
+            replica `r` had an estimate, `n_r` its micro-batches).
 
     Returns:
-        `(S, G2, valid)`: the mean over replicas with an estimate, and a
-        bool scalar, whether any had one.
+        `(S, G2, valid, n)`: the mean over replicas with an estimate, a
+        bool scalar (whether any had one), and the micro-batches measured on
+        all replicas together.
     """
     count = summed[2]
     return (
         tf.math.divide_no_nan(summed[0], count),
         tf.math.divide_no_nan(summed[1], count),
         count > 0.0,
+        summed[3],
     )
 
 
@@ -226,6 +229,7 @@ class NoiseScaleEstimator(tf.Module):
             self._ema_trace = self._variable("ema_trace_sigma", 0.0)
             self._ema_grad_sq = self._variable("ema_grad_sq_norm", 0.0)
             self._ema_weight = self._variable("ema_window_weight", 0.0)
+            self._ema_micro = self._variable("ema_micro_batch_weight", 0.0)
             self._last_trace = self._variable("last_trace_sigma", 0.0)
             self._last_grad_sq = self._variable("last_grad_sq_norm", 0.0)
 
@@ -250,6 +254,7 @@ class NoiseScaleEstimator(tf.Module):
             self._ema_trace,
             self._ema_grad_sq,
             self._ema_weight,
+            self._ema_micro,
             self._last_trace,
             self._last_grad_sq,
         ]
@@ -297,8 +302,9 @@ class NoiseScaleEstimator(tf.Module):
             weight: Float32 scalar, this replica's `W`.
 
         Returns:
-            A float32 vector of `NUM_STATISTICS`: `[v S_hat, v G2_hat, v]`,
-            `v` 1.0 when the window is measured and gives an estimate.
+            A float32 vector of `NUM_STATISTICS`: `[v S_hat, v G2_hat, v,
+            n]`, `v` 1.0 when the window is measured and gives an estimate,
+            `n` its micro-batches (0 when not measured).
         """
         q = self._q.read_value()
         n = self._n.read_value()
@@ -314,16 +320,19 @@ class NoiseScaleEstimator(tf.Module):
         else:
             norm = squared_norm(accumulators)
         trace, grad_sq, valid = window_estimate(q, n, weight, norm)
-        return tf.stack([trace, grad_sq, valid])
+        return tf.stack([trace, grad_sq, valid, n])
 
-    def update(self, summed, weight):
+    def update(self, summed, weight, num_replicas=1):
         """Folds the window's combined estimate into the averages.
 
         Args:
             summed: What `statistics` returned, summed over replicas.
             weight: Float32 scalar, the window's total `W`.
+            num_replicas: Int, the replicas `summed` was summed over.
         """
-        trace, grad_sq, valid = combine_statistics(summed)
+        trace, grad_sq, valid, n = combine_statistics(summed)
+        # One global micro-batch spans the replicas.
+        micro = tf.math.divide_no_nan(weight * float(num_replicas), n)
 
         def fold():
             beta = self.config.beta
@@ -331,6 +340,7 @@ class NoiseScaleEstimator(tf.Module):
                 (self._ema_trace, trace),
                 (self._ema_grad_sq, grad_sq),
                 (self._ema_weight, weight),
+                (self._ema_micro, micro),
             ]:
                 ema.assign(beta * ema + (1.0 - beta) * value)
             self._last_trace.assign(trace)
@@ -394,6 +404,15 @@ class NoiseScaleEstimator(tf.Module):
     def window_weight(self):
         """Float32 tensor: the averaged `W` of the measured windows."""
         return self._debiased(self._ema_weight)
+
+    @property
+    def micro_batch_weight(self):
+        """Float32 tensor: the averaged `W` per global micro-batch.
+
+        A global micro-batch is one micro-batch on every replica: for a
+        per-sample loss, `replicas * batch_size` (less for short ones).
+        """
+        return self._debiased(self._ema_micro)
 
     @property
     def last_trace_sigma(self):

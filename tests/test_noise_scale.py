@@ -1,5 +1,7 @@
 """The noise-scale estimator, against exact per-sample gradients."""
 
+import itertools
+
 import numpy as np
 import tensorflow as tf
 from absl.testing import parameterized
@@ -85,7 +87,7 @@ def _window_sums(g, indices, sizes):
     bounds = np.cumsum((0,) + tuple(sizes))
     q = np.zeros(len(indices))
     acc = np.zeros((len(indices), g.shape[1]))
-    for start, stop in zip(bounds[:-1], bounds[1:]):
+    for start, stop in itertools.pairwise(bounds):
         h = g[indices[:, start:stop]].sum(axis=1)  # w_k g_k
         q += (h**2).sum(axis=1) / (stop - start)
         acc += h
@@ -133,11 +135,11 @@ class WindowEstimateTest(tf.test.TestCase, parameterized.TestCase):
 
     def test_combine_averages_replicas_with_an_estimate(self):
         # Replica 0: (S, G2) = (10, 2); replica 1: (14, 4); replica 2: none.
-        summed = tf.constant([24.0, 6.0, 2.0])
-        s, g2, valid = _noise_scale.combine_statistics(summed)
-        self.assertAllClose([s, g2], [12.0, 3.0])
+        summed = tf.constant([24.0, 6.0, 2.0, 9.0])
+        s, g2, valid, n = _noise_scale.combine_statistics(summed)
+        self.assertAllClose([s, g2, n], [12.0, 3.0, 9.0])
         self.assertTrue(bool(valid))
-        _, _, valid = _noise_scale.combine_statistics(tf.zeros([3]))
+        _, _, valid, _ = _noise_scale.combine_statistics(tf.zeros([4]))
         self.assertFalse(bool(valid))
 
 
@@ -172,7 +174,8 @@ class EstimatorTest(tf.test.TestCase, parameterized.TestCase):
         out = []
         for row in indices:
             hs = np.stack(
-                [g[row[a:b]].sum(axis=0) for a, b in zip(bounds[:-1], bounds[1:])]
+                [g[row[a:b]].sum(axis=0)
+                 for a, b in itertools.pairwise(bounds)]
             )
             out.append((hs, np.array(sizes, np.float64)))
         return out
@@ -211,6 +214,9 @@ class EstimatorTest(tf.test.TestCase, parameterized.TestCase):
         self.assertAllClose(estimator.trace_sigma, s, rtol=1e-4)
         self.assertAllClose(estimator.grad_sq_norm, g2, rtol=1e-4)
         self.assertAllClose(estimator.b_simple, s / g2, rtol=1e-4)
+        # Windows of 8 + 8 + 8 + 3 samples, on one replica.
+        self.assertAllClose(estimator.micro_batch_weight, 27.0 / 4)
+        self.assertAllClose(estimator.window_weight, 27.0)
 
     def test_smoothed_ratio_is_near_the_population_b_simple(self):
         x, y = problem.data()
