@@ -8,6 +8,8 @@ mean is `G` and covariance `Sigma` (population covariance, dividing by the
 number of samples), which is what the estimator's unbiasedness assumes.
 """
 
+import itertools
+
 import numpy as np
 
 IN_DIM = 6
@@ -50,3 +52,25 @@ def window_indices(sizes, windows, n, seed=0):
     """Row indices of `windows` windows of micro-batches of `sizes`."""
     rng = np.random.default_rng(seed + 2)
     return rng.integers(0, n, size=(windows, sum(sizes)))
+
+
+def window_data(x, y, sizes, windows, seed=0):
+    """The rows of `windows` windows, concatenated, and the indices."""
+    indices = window_indices(sizes, windows, len(x), seed=seed)
+    flat = indices.reshape(-1)
+    return x[flat], y[flat], indices
+
+
+def estimate_by_hand(g, indices, sizes):
+    """Per window: the unbiased (S_hat, G2_hat), from exact gradients."""
+    bounds = np.cumsum((0,) + tuple(sizes))
+    q = np.zeros(len(indices))
+    acc = np.zeros((len(indices), g.shape[1]))
+    for start, stop in itertools.pairwise(bounds):
+        h = g[indices[:, start:stop]].sum(axis=1)  # w_k g_k
+        q += (h**2).sum(axis=1) / (stop - start)
+        acc += h
+    weight = float(sum(sizes))
+    a = (acc**2).sum(axis=1)
+    s = (q - a / weight) / (len(sizes) - 1)
+    return s, a / weight**2 - s / weight

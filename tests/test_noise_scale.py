@@ -1,12 +1,17 @@
 """The noise-scale estimator, against exact per-sample gradients."""
 
 import itertools
+import os
 
 import numpy as np
 import tensorflow as tf
 from absl.testing import parameterized
 
+import accum_model
+from accum_model import AccumModel
+from accum_model import GradientAccumulator
 from accum_model import _noise_scale
+from accum_model._keras import keras
 from tests import noise_scale_problem as problem
 
 # Windows of micro-batch sizes; the estimator must not need them equal.
@@ -251,6 +256,242 @@ class EstimatorTest(tf.test.TestCase, parameterized.TestCase):
         self.assertEqual(float(estimator.state_variables[0]), 0.0)
         estimator.reset_window(closed=True)
         self.assertAllEqual(estimator.measuring(), False)
+
+
+# Through the engine: AccumModel.fit and GradientAccumulator, at frozen
+# weights (SGD with learning rate 0), against the exact population values.
+
+
+class _WindowRecorder(keras.callbacks.Callback):
+    """Each window's raw estimates, read after every update."""
+
+    def __init__(self):
+        super().__init__()
+        self.trace, self.grad_sq = [], []
+        self._last = 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        estimator = self.model.gradient_accumulator.noise_scale
+        if estimator.measurements != self._last:
+            self._last = estimator.measurements
+            self.trace.append(float(estimator.last_trace_sigma))
+            self.grad_sq.append(float(estimator.last_grad_sq_norm))
+
+
+def _linear_model(**kwargs):
+    kernel, bias = problem.frozen_weights()
+    inputs = keras.Input((problem.IN_DIM,))
+    outputs = keras.layers.Dense(1)(inputs)
+    model = AccumModel(inputs=inputs, outputs=outputs, **kwargs)
+    model.set_weights([kernel, bias])
+    return model
+
+
+def _frozen_fit(model, x, y, micro, callbacks=(), **fit_kwargs):
+    model.compile(keras.optimizers.SGD(learning_rate=0.0), "mse")
+    return model.fit(
+        x, y, batch_size=micro, epochs=1, shuffle=False, verbose=0,
+        callbacks=list(callbacks), **fit_kwargs,
+    )
+
+
+class AccumModelNoiseScaleTest(tf.test.TestCase, parameterized.TestCase):
+    def _assert_population(self, trace, grad_sq, rtol=0.05):
+        x, y = problem.data()
+        kernel, bias = problem.frozen_weights()
+        true_grad_sq, true_trace, b_simple = problem.population(
+            x, y, kernel, bias
+        )
+        self.assertAllClose(np.mean(trace), true_trace, rtol=rtol)
+        self.assertAllClose(np.mean(grad_sq), true_grad_sq, rtol=rtol)
+        self.assertAllClose(
+            np.mean(trace) / np.mean(grad_sq), b_simple, rtol=rtol + 0.01
+        )
+
+    def test_fit_at_frozen_weights_measures_the_population(self):
+        sizes = (4, 4, 4, 4)
+        x, y = problem.data()
+        xs, ys, _ = problem.window_data(x, y, sizes, 1500)
+        model = _linear_model(
+            accum_steps=4, noise_scale=accum_model.NoiseScale(beta=0.999)
+        )
+        recorder = _WindowRecorder()
+        history = _frozen_fit(model, xs, ys, 4, [recorder])
+        self.assertLen(recorder.trace, 1500)
+        self._assert_population(recorder.trace, recorder.grad_sq)
+        # What fit logs is the ratio of the moving averages.
+        estimator = model.gradient_accumulator.noise_scale
+        self.assertAllClose(
+            history.history["gradient_noise_scale"][-1],
+            float(estimator.trace_sigma) / float(estimator.grad_sq_norm),
+            rtol=1e-5,
+        )
+        self.assertAllClose(
+            model.gradient_noise_scale,
+            history.history["gradient_noise_scale"][-1], rtol=1e-6,
+        )
+        _, _, b_simple = problem.population(
+            x, y, *problem.frozen_weights())
+        # beta=0.999 averages about the last 1000 windows.
+        self.assertAllClose(model.gradient_noise_scale, b_simple, rtol=0.1)
+        self.assertAllClose(estimator.micro_batch_weight, 4.0)
+
+    def test_each_window_is_the_formula_on_exact_gradients(self):
+        # Window by window (not only on average), equal to the estimate
+        # computed here from the exact per-sample gradients.
+        sizes = (4, 4, 4)
+        x, y = problem.data()
+        kernel, bias = problem.frozen_weights()
+        xs, ys, indices = problem.window_data(x, y, sizes, 20)
+        g = problem.per_sample_gradients(x, y, kernel, bias)
+        trace, grad_sq = problem.estimate_by_hand(g, indices, sizes)
+        model = _linear_model(accum_steps=3, noise_scale=True)
+        recorder = _WindowRecorder()
+        _frozen_fit(model, xs, ys, 4, [recorder])
+        scale = np.abs(trace).max()
+        self.assertAllClose(recorder.trace, trace, atol=1e-4 * scale)
+        self.assertAllClose(recorder.grad_sq, grad_sq, atol=1e-4 * scale)
+
+    def test_one_micro_batch_per_window_gives_no_estimate(self):
+        x, y = problem.data(64)
+        model = _linear_model(accum_steps=1, noise_scale=True)
+        history = _frozen_fit(model, x, y, 8)
+        self.assertEqual(model.gradient_accumulator.noise_scale.measurements,
+                         0)
+        self.assertTrue(np.isnan(history.history["gradient_noise_scale"][0]))
+        self.assertTrue(np.isnan(model.gradient_noise_scale))
+
+    def test_every_kth_window(self):
+        x, y = problem.data(96)
+        model = _linear_model(
+            accum_steps=2, noise_scale=accum_model.NoiseScale(every=3)
+        )
+        _frozen_fit(model, x, y, 4)  # 12 windows: 0, 3, 6, 9 measured
+        self.assertEqual(model.gradient_accumulator.noise_scale.measurements,
+                         4)
+
+    def test_off_by_default(self):
+        x, y = problem.data(32)
+        model = _linear_model(accum_steps=2)
+        history = _frozen_fit(model, x, y, 4)
+        self.assertNotIn("gradient_noise_scale", history.history)
+        self.assertIsNone(model.gradient_noise_scale)
+        self.assertIsNone(model.gradient_accumulator.noise_scale)
+
+    def test_config_round_trip_and_late_change(self):
+        model = _linear_model(
+            accum_steps=2, noise_scale=accum_model.NoiseScale(every=2)
+        )
+        config = model.get_config()
+        self.assertEqual(config["noise_scale"], {"every": 2, "beta": 0.99})
+        restored = AccumModel.from_config(config)
+        self.assertEqual(restored.noise_scale,
+                         accum_model.NoiseScale(every=2))
+        self.assertNotIn("noise_scale", _linear_model().get_config())
+        x, y = problem.data(16)
+        _frozen_fit(model, x, y, 4)
+        with self.assertRaisesRegex(ValueError, "before the model is trained"):
+            model.noise_scale = False
+        with self.assertRaisesRegex(TypeError, "`noise_scale` must be"):
+            _linear_model(noise_scale="on")
+
+    def test_saved_with_the_window(self):
+        x, y = problem.data(40)
+        model = _linear_model(accum_steps=4, noise_scale=True,
+                              epoch_end="carry")
+        _frozen_fit(model, x, y, 4)  # 2 windows and 2 micro-batches open
+        path = os.path.join(self.get_temp_dir(), "m.weights.h5")
+        model.save_weights(path)
+        restored = _linear_model(accum_steps=4, noise_scale=True,
+                                 epoch_end="carry")
+        restored.compile(keras.optimizers.SGD(0.0), "mse")
+        restored.load_weights(path)
+        before = model.gradient_accumulator.noise_scale
+        after = restored.gradient_accumulator.noise_scale
+        for a, b in zip(before.state_variables, after.state_variables):
+            self.assertAllEqual(a, b)
+        self.assertGreater(float(before.state_variables[0]), 0.0)
+
+    def test_in_every_batch_log(self):
+        # The batch logs are what the progress bar prints and what Keras'
+        # TensorBoard callback writes (with `update_freq="batch"`).
+        seen = []
+
+        class Logs(keras.callbacks.Callback):
+            def on_train_batch_end(self, batch, logs=None):
+                seen.append(logs["gradient_noise_scale"])
+
+        x, y = problem.data(32)
+        model = _linear_model(accum_steps=2, noise_scale=True)
+        _frozen_fit(model, x, y, 4, [Logs()])
+        self.assertLen(seen, 8)
+        self.assertTrue(np.isnan(seen[0]))  # before the first window closed
+        self.assertAllClose(seen[-1], model.gradient_noise_scale)
+
+
+class GradientAccumulatorNoiseScaleTest(
+    tf.test.TestCase, parameterized.TestCase
+):
+    def _loop(self, sizes, windows, sparse=False):
+        x, y = problem.data()
+        kernel, bias = problem.frozen_weights()
+        kernel_var = tf.Variable(kernel)
+        bias_var = tf.Variable(bias)
+        variables = [kernel_var, bias_var]
+        accumulator = GradientAccumulator(
+            variables, accum_steps=len(sizes), noise_scale=True
+        )
+        optimizer = keras.optimizers.SGD(learning_rate=0.0)
+
+        @tf.function(reduce_retracing=True)
+        def step(xb, yb):
+            with tf.GradientTape() as tape:
+                pred = xb @ kernel_var + bias_var
+                loss = tf.reduce_mean(tf.square(pred - yb))
+            grads = tape.gradient(loss, variables)
+            if sparse:
+                # The kernel's gradient as rows, every row listed twice
+                # with half its value: summed first, it is the same tensor.
+                rows = tf.range(problem.IN_DIM)
+                half = grads[0] / 2.0
+                grads[0] = tf.IndexedSlices(
+                    tf.concat([half, half], 0),
+                    tf.concat([rows, rows], 0),
+                    tf.constant([problem.IN_DIM, 1]),
+                )
+            return accumulator.step(grads, optimizer,
+                                    weight=tf.shape(xb)[0])
+
+        xs, ys, indices = problem.window_data(x, y, sizes, windows)
+        bounds = np.cumsum((0,) + tuple(sizes))
+        trace, grad_sq = [], []
+        for w in range(windows):
+            base = w * sum(sizes)
+            for start, stop in itertools.pairwise(bounds):
+                step(xs[base + start:base + stop], ys[base + start:base + stop])
+            trace.append(float(accumulator.noise_scale.last_trace_sigma))
+            grad_sq.append(float(accumulator.noise_scale.last_grad_sq_norm))
+        g = problem.per_sample_gradients(x, y, kernel, bias)
+        return np.array(trace), np.array(grad_sq), g, indices
+
+    @parameterized.named_parameters(
+        ("short_last", (8, 8, 8, 3)), ("mixed", (12, 5, 9, 2, 7))
+    )
+    def test_unequal_micro_batches_measure_the_population(self, sizes):
+        trace, grad_sq, g, _ = self._loop(sizes, 1200)
+        mean = g.mean(axis=0)
+        true_trace = ((g - mean) ** 2).sum(axis=1).mean()
+        self.assertAllClose(trace.mean(), true_trace, rtol=0.06)
+        self.assertAllClose(grad_sq.mean(), mean @ mean, rtol=0.06)
+
+    def test_sparse_gradients_with_repeated_rows(self):
+        sizes = (5, 3, 4)
+        trace, grad_sq, g, indices = self._loop(sizes, 5, sparse=True)
+        expected_trace, expected_grad_sq = problem.estimate_by_hand(
+            g, indices, sizes)
+        scale = np.abs(expected_trace).max()
+        self.assertAllClose(trace, expected_trace, atol=1e-4 * scale)
+        self.assertAllClose(grad_sq, expected_grad_sq, atol=1e-4 * scale)
 
 
 if __name__ == "__main__":
