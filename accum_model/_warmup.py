@@ -4,7 +4,7 @@ import math
 import numbers
 
 from accum_model import _keras
-from accum_model._accumulator import validate_accum_steps
+from accum_model._window import validate_accum_steps
 
 
 def _check_int(name, value, minimum):
@@ -202,7 +202,7 @@ class AccumStepsWarmup(_keras.ADAPTER.callback_base):
         return None if engine is None else engine.noise_scale
 
     def _iterations(self):
-        return int(_keras.ADAPTER.iterations(self.model.optimizer).numpy())
+        return int(self.model.optimizer.iterations.numpy())
 
     def on_train_batch_end(self, batch, logs=None):
         if self.batch_size is not None:
