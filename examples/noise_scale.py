@@ -2,7 +2,9 @@
 
 Trains one classifier from the same initial weights three ways, all with
 micro-batches of `--batch_size` samples and the same optimizer and
-learning rate, on data made here (no downloads):
+learning rate, on data made here (no downloads). Each epoch is a fresh
+draw of `--epoch_samples` samples (no sample is seen twice, the regime the
+noise scale describes), the same draws for every run:
 
   small    `AccumModel(accum_steps=--small_steps)`: a small batch, many
            updates
@@ -42,7 +44,7 @@ _FACTOR = flags.DEFINE_float(
     "factor", 1.0, "The warm-up's target batch, in units of B_simple.")
 _EPOCHS = flags.DEFINE_integer("epochs", 12, "Epochs per run.")
 _EPOCH_SAMPLES = flags.DEFINE_integer(
-    "epoch_samples", 4096, "Training samples per epoch (the data set).")
+    "epoch_samples", 4096, "Fresh training samples per epoch.")
 _LEARNING_RATE = flags.DEFINE_float(
     "learning_rate", 0.05, "SGD learning rate (with momentum 0.9), the same "
     "for every run.")
@@ -60,7 +62,11 @@ _RUNS = ("small", "large", "warmup")
 
 
 def make_data(samples, seed):
-    """Labels from a random teacher network, with label noise."""
+    """Labels from a random teacher network, with label noise.
+
+    Returns `(x, y)` training data of `samples` rows and 2048 validation
+    rows.
+    """
     import numpy as np
 
     rng = np.random.default_rng(seed)
@@ -85,35 +91,14 @@ def build(width, seed, **kwargs):
     return AccumModel(inputs=inputs, outputs=outputs, **kwargs)
 
 
-class _Recorder:
-    """Per epoch: samples, updates, validation loss, B_simple, accum_steps."""
-
-    def __init__(self, tf):
-        recorder = self
-
-        class Callback(tf.keras.callbacks.Callback):
-            def on_epoch_end(self, epoch, logs=None):
-                recorder.rows.append(
-                    dict(
-                        samples=(epoch + 1) * recorder.epoch_samples,
-                        updates=int(self.model.optimizer.iterations),
-                        val_loss=float(logs["val_loss"]),
-                        b_simple=float(logs["gradient_noise_scale"]),
-                        accum_steps=self.model.accum_steps,
-                    )
-                )
-
-        self.rows = []
-        self.epoch_samples = None
-        self.callback = Callback()
-
-
 def train(run, data, initial_weights):
+    """Trains one run; returns its per-epoch rows."""
     import tensorflow as tf
 
     import accum_model
 
     (x, y), validation = data
+    size = _EPOCH_SAMPLES.value
     steps = _LARGE_STEPS.value if run == "large" else _SMALL_STEPS.value
     model = build(
         _WIDTH.value, _SEED.value, accum_steps=steps,
@@ -126,11 +111,10 @@ def train(run, data, initial_weights):
         ),
         loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
     )
-    recorder = _Recorder(tf)
-    recorder.epoch_samples = len(x)
-    callbacks = [recorder.callback]
+    callbacks = []
     if run == "warmup":
-        callbacks.insert(0, accum_model.AccumStepsWarmup(
+        # One callback for every epoch: it counts windows across fits.
+        callbacks.append(accum_model.AccumStepsWarmup(
             factor=_FACTOR.value,
             min_accum_steps=_SMALL_STEPS.value,
             max_accum_steps=_LARGE_STEPS.value,
@@ -138,12 +122,23 @@ def train(run, data, initial_weights):
             cooldown_windows=20,
             verbose=0,
         ))
-    model.fit(
-        x, y, batch_size=_BATCH_SIZE.value, epochs=_EPOCHS.value,
-        validation_data=validation, validation_batch_size=len(validation[0]),
-        shuffle=True, verbose=0, callbacks=callbacks,
-    )
-    return recorder.rows
+    rows = []
+    for epoch in range(_EPOCHS.value):
+        rows_slice = slice(epoch * size, (epoch + 1) * size)
+        history = model.fit(
+            x[rows_slice], y[rows_slice], batch_size=_BATCH_SIZE.value,
+            validation_data=validation,
+            validation_batch_size=len(validation[0]), shuffle=False,
+            verbose=0, callbacks=callbacks,
+        )
+        rows.append(dict(
+            samples=(epoch + 1) * size,
+            updates=int(model.optimizer.iterations),
+            val_loss=history.history["val_loss"][-1],
+            b_simple=history.history["gradient_noise_scale"][-1],
+            accum_steps=model.accum_steps,
+        ))
+    return rows
 
 
 def first_reaching(rows, target):
@@ -158,7 +153,7 @@ def main(argv):
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     import tensorflow as tf
 
-    data = make_data(_EPOCH_SAMPLES.value, _SEED.value)
+    data = make_data(_EPOCH_SAMPLES.value * _EPOCHS.value, _SEED.value)
     initial = build(_WIDTH.value, _SEED.value).get_weights()
     results = {}
     for run in _RUNS:

@@ -429,6 +429,115 @@ class AccumModelNoiseScaleTest(tf.test.TestCase, parameterized.TestCase):
         self.assertAllClose(seen[-1], model.gradient_noise_scale)
 
 
+class MixedFloat16NoiseScaleTest(tf.test.TestCase):
+    def setUp(self):
+        super().setUp()
+        keras.mixed_precision.set_global_policy("mixed_float16")
+
+    def tearDown(self):
+        keras.mixed_precision.set_global_policy("float32")
+        super().tearDown()
+
+    def test_skipped_micro_batches_are_left_out(self):
+        sizes = (4, 4, 4, 4)
+        x, y = problem.data()
+        kernel, bias = problem.frozen_weights()
+        xs, ys, indices = problem.window_data(x, y, sizes, 6)
+        # Beyond float16's range: window 2's micro-batch 1 overflows, and
+        # is left out of the window (3 micro-batches of 4 remain).
+        xs[2 * 16 + 4] = 1e6
+        model = _linear_model(accum_steps=4, noise_scale=True)
+        model.compile(
+            keras.mixed_precision.LossScaleOptimizer(
+                keras.optimizers.SGD(0.0), initial_scale=256.0
+            ),
+            "mse",
+        )
+        recorder = _WindowRecorder()
+        model.fit(xs, ys, batch_size=4, shuffle=False, verbose=0,
+                  callbacks=[recorder])
+        self.assertEqual(model.skipped_microbatches, 1)
+        g = problem.per_sample_gradients(x, y, kernel, bias)
+        trace, grad_sq = problem.estimate_by_hand(g, indices, sizes)
+        kept = np.delete(indices[2], np.arange(4, 8))[None]
+        trace[2], grad_sq[2] = (
+            v[0] for v in problem.estimate_by_hand(g, kept, (4, 4, 4))
+        )
+        # float16 forward and backward passes: about 1e-3 of the scale.
+        scale = np.abs(trace).max()
+        self.assertAllClose(recorder.trace, trace, atol=2e-2 * scale)
+        self.assertAllClose(recorder.grad_sq, grad_sq, atol=2e-2 * scale)
+
+
+class OffAddsNothingTest(tf.test.TestCase, parameterized.TestCase):
+    """With the measurement off, tracing the step runs none of its code."""
+
+    def _poisoned(self):
+        def poison(*args, **kwargs):
+            raise AssertionError("noise-scale code traced")
+
+        patches = [
+            (_noise_scale, "squared_norm"),
+            (_noise_scale, "window_estimate"),
+            (_noise_scale, "combine_statistics"),
+            (_noise_scale.NoiseScaleEstimator, "add"),
+            (_noise_scale.NoiseScaleEstimator, "statistics"),
+            (_noise_scale.NoiseScaleEstimator, "update"),
+            (_noise_scale.NoiseScaleEstimator, "reset_window"),
+        ]
+        originals = [(owner, name, getattr(owner, name))
+                     for owner, name in patches]
+        for owner, name in patches:
+            setattr(owner, name, poison)
+
+        def restore():
+            for owner, name, value in originals:
+                setattr(owner, name, value)
+
+        self.addCleanup(restore)
+
+    def _trace(self, noise_scale, mixed):
+        model = _linear_model(accum_steps=2, noise_scale=noise_scale)
+        optimizer = keras.optimizers.SGD(0.1)
+        if mixed:
+            optimizer = keras.mixed_precision.LossScaleOptimizer(optimizer)
+        model.compile(optimizer, "mse")
+        x, y = problem.data(8)
+        model.fit(x, y, batch_size=4, verbose=0)  # builds everything
+        self._poisoned()
+        step = tf.function(model.train_step)
+        return step.get_concrete_function(
+            (tf.TensorSpec([None, problem.IN_DIM]), tf.TensorSpec([None, 1]))
+        )
+
+    @parameterized.named_parameters(("float32", False), ("loss_scale", True))
+    def test_off_traces_none_of_it(self, mixed):
+        self._trace(False, mixed)
+        with self.assertRaisesRegex(AssertionError, "noise-scale code"):
+            self._trace(True, mixed)
+
+    def test_custom_loop_off_traces_none_of_it(self):
+        self._poisoned()
+        variables = [tf.Variable(tf.ones([3]))]
+        accumulator = GradientAccumulator(variables, accum_steps=2)
+        optimizer = keras.optimizers.SGD(0.1)
+
+        @tf.function
+        def step():
+            return accumulator.step([tf.ones([3])], optimizer, weight=2.0)
+
+        step.get_concrete_function()
+        accumulator.reset()
+        on = GradientAccumulator(variables, accum_steps=2, noise_scale=True)
+
+        @tf.function
+        def step_on():
+            return on.step([tf.ones([3])], optimizer, weight=2.0)
+
+        with self.assertRaisesRegex(AssertionError, "noise-scale code"):
+            step_on.get_concrete_function()
+
+
 class GradientAccumulatorNoiseScaleTest(
     tf.test.TestCase, parameterized.TestCase
 ):

@@ -4,10 +4,12 @@ import numpy as np
 import tensorflow as tf
 from absl.testing import parameterized
 
+import accum_model
 from accum_model import AccumModel
 from accum_model import AccumStepsWarmup
 from accum_model._keras import keras
 from accum_model._warmup import accum_steps_for_noise_scale
+from tests import noise_scale_problem as problem
 from tests import testing_utils as tu
 
 
@@ -110,6 +112,43 @@ class ScheduleTest(tf.test.TestCase):
         fixed = tu.mlp(counting(), accum_steps=1)
         tu.train(fixed, x, y, batch_size=4, optimizer="sgd")
         self.assertEqual(type(model).traces, type(fixed).traces)
+
+
+
+class NoiseScaleRuleTest(tf.test.TestCase):
+    def test_settles_at_factor_b_simple_over_micro_batch(self):
+        # Frozen weights (learning rate 0) on the problem whose B_simple is
+        # known exactly: accum_steps must settle where the rule puts the
+        # population value, within the hysteresis band.
+        x, y = problem.data()
+        kernel, bias = problem.frozen_weights()
+        _, _, b_simple = problem.population(x, y, kernel, bias)
+        rows = np.random.default_rng(3).integers(0, len(x), size=16000)
+        inputs = keras.Input((problem.IN_DIM,))
+        model = AccumModel(
+            inputs=inputs, outputs=keras.layers.Dense(1)(inputs),
+            accum_steps=2, noise_scale=accum_model.NoiseScale(beta=0.98),
+        )
+        model.set_weights([kernel, bias])
+        model.compile(keras.optimizers.SGD(0.0), "mse")
+        factor, micro = 4.0, 4
+        warmup = AccumStepsWarmup(
+            factor=factor, min_accum_steps=2, max_accum_steps=32,
+            warmup_windows=50, cooldown_windows=50, hysteresis=0.25,
+            verbose=0,
+        )
+        history = model.fit(x[rows], y[rows], batch_size=micro, epochs=1,
+                            shuffle=False, verbose=0, callbacks=[warmup])
+        target = factor * b_simple / micro
+        self.assertGreater(target, 4.0)  # the rule has to move it
+        self.assertNotEmpty(warmup.changes)
+        final = model.accum_steps
+        self.assertBetween(final / target, 1 / 1.35, 1.35)
+        self.assertEqual(history.history["accum_steps"], [final])
+        # No thrashing: changes at least cooldown_windows apart.
+        windows = [c["window"] for c in warmup.changes]
+        self.assertGreaterEqual(windows[0], 50)
+        self.assertTrue(all(b - a >= 50 for a, b in zip(windows, windows[1:])))
 
 
 if __name__ == "__main__":
