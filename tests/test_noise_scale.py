@@ -336,7 +336,10 @@ class AccumModelNoiseScaleTest(tf.test.TestCase, parameterized.TestCase):
         self.assertAllClose(model.gradient_noise_scale, b_simple, rtol=0.1)
         self.assertAllClose(estimator.micro_batch_weight, 4.0)
 
-    def test_each_window_is_the_formula_on_exact_gradients(self):
+    @parameterized.named_parameters(
+        ("graph", False, 1), ("xla", True, 1), ("xla_every_2", True, 2)
+    )
+    def test_each_window_is_the_formula_on_exact_gradients(self, xla, every):
         # Window by window (not only on average), equal to the estimate
         # computed here from the exact per-sample gradients.
         sizes = (4, 4, 4)
@@ -345,9 +348,16 @@ class AccumModelNoiseScaleTest(tf.test.TestCase, parameterized.TestCase):
         xs, ys, indices = problem.window_data(x, y, sizes, 20)
         g = problem.per_sample_gradients(x, y, kernel, bias)
         trace, grad_sq = problem.estimate_by_hand(g, indices, sizes)
-        model = _linear_model(accum_steps=3, noise_scale=True)
+        model = _linear_model(
+            accum_steps=3,
+            noise_scale=accum_model.NoiseScale(every=every),
+        )
         recorder = _WindowRecorder()
-        _frozen_fit(model, xs, ys, 4, [recorder])
+        model.compile(keras.optimizers.SGD(learning_rate=0.0), "mse",
+                      jit_compile=xla)
+        model.fit(xs, ys, batch_size=4, shuffle=False, verbose=0,
+                  callbacks=[recorder])
+        trace, grad_sq = trace[::every], grad_sq[::every]
         scale = np.abs(trace).max()
         self.assertAllClose(recorder.trace, trace, atol=1e-4 * scale)
         self.assertAllClose(recorder.grad_sq, grad_sq, atol=1e-4 * scale)
