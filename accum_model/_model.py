@@ -507,7 +507,7 @@ class _AccumulationState(ADAPTER.saveable_base):
     def save_own_variables(self, store):
         if self.engine is None:
             return
-        for i, v in enumerate(self.engine._state_variables):
+        for i, v in enumerate(self.engine.state_variables):
             store[str(i)] = v.numpy()
 
     def load_own_variables(self, store):
@@ -518,7 +518,7 @@ class _AccumulationState(ADAPTER.saveable_base):
                 self.engine.reset()
             return
         engine = self.build()
-        state = engine._state_variables
+        state = engine.state_variables
         if len(keys) != len(state):
             raise ValueError(
                 "The saved accumulation state does not match this model: "

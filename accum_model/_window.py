@@ -185,12 +185,13 @@ class Window(tf.Module):
         for v in self._hook_state:
             v.assign(tf.zeros_like(v))
 
-    # For the package's front ends (`GradientAccumulator`, `AccumModel`) and
-    # the layers that keep a window of their own (`AccumBatchNormalization`).
-
     @property
-    def _state_variables(self):
-        """Every variable of the state, in a fixed order, for saving it."""
+    def state_variables(self):
+        """Every variable of the open window's state, in a fixed order.
+
+        What a checkpoint of the window must hold (`AccumModel` saves them
+        with the model); also what the accumulation costs in memory.
+        """
         return [
             self._micro_step,
             self._window_steps,
@@ -201,6 +202,9 @@ class Window(tf.Module):
             [] if self._noise_scale is None
             else self._noise_scale.state_variables
         )
+
+    # For the package's front ends (`GradientAccumulator`, `AccumModel`) and
+    # the layers that keep a window of their own (`AccumBatchNormalization`).
 
     def _add_apply_hook(self, fn, state=()):
         """Registers `fn()` to run inside the branch that applies a window.

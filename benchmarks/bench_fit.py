@@ -460,7 +460,7 @@ def run_one(workload, optimizer, micro, n, repeats, seconds, quick,
         "ratios": {},
         "memory": {
             "trainable_parameter_bytes": params,
-            "accumulator_state_bytes": _state_bytes(engine.variables),
+            "accumulator_state_bytes": _state_bytes(engine.state_variables),
         },
         "traces": {
             "accum": type(accum).traces,
