@@ -168,7 +168,10 @@ class AccumModel(MultiWorkerFitWorkarounds, keras.Model):
     @noise_scale.setter
     def noise_scale(self, value):
         value = _noise_scale.as_config(value)
-        if value != self._noise_scale and self._accumulation.engine:
+        if (
+            value != self._noise_scale
+            and self._accumulation.engine is not None
+        ):
             raise ValueError(
                 "`noise_scale` can only be set before the model is trained "
                 "(it is part of the compiled training step). Received: "

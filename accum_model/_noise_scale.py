@@ -140,10 +140,12 @@ def squared_norm(grads):
             )
         else:
             values = tf.cast(g, tf.float32)
-        terms.append(tf.reduce_sum(tf.square(values)))
+        # One op per tensor (`l2_loss` is half the sum of squares) rather
+        # than a square and a sum: models have many small variables.
+        terms.append(tf.nn.l2_loss(values))
     if not terms:
         return tf.constant(0.0)
-    return tf.add_n(terms)
+    return 2.0 * tf.add_n(terms)
 
 
 def window_estimate(q, n, weight, accumulated_squared_norm):
