@@ -4,12 +4,16 @@ from accum_model._accumulator import GradientAccumulator
 from accum_model._batchnorm import AccumBatchNormalization
 from accum_model._batchnorm import replace_batchnorm
 from accum_model._model import AccumModel
+from accum_model._noise_scale import NoiseScale
 from accum_model._resume import ResumableBackup
+from accum_model._warmup import AccumStepsWarmup
 
 __all__ = [
     "AccumBatchNormalization",
     "AccumModel",
+    "AccumStepsWarmup",
     "GradientAccumulator",
+    "NoiseScale",
     "ResumableBackup",
     "replace_batchnorm",
 ]
