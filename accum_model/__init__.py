@@ -4,11 +4,13 @@ from accum_model._accumulator import GradientAccumulator
 from accum_model._batchnorm import AccumBatchNormalization
 from accum_model._batchnorm import replace_batchnorm
 from accum_model._model import AccumModel
+from accum_model._model import accumulate
 
 __all__ = [
     "AccumBatchNormalization",
     "AccumModel",
     "GradientAccumulator",
+    "accumulate",
     "replace_batchnorm",
 ]
 __version__ = "0.1.0"

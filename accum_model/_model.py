@@ -1,5 +1,6 @@
 """`AccumModel`: a `tf.keras.Model` whose `fit` accumulates gradients."""
 
+import contextlib
 import inspect
 import warnings
 import weakref
@@ -112,15 +113,23 @@ class AccumModel(MultiWorkerFitWorkarounds, keras.Model):
         accum_steps = validate_accum_steps(accum_steps)
         epoch_end = validate_epoch_end(epoch_end)
         if ADAPTER.is_functional_call(args, kwargs):
+            if not issubclass(type(self), ADAPTER.functional_class):
+                # What `keras.Model.__init__` does first, for the other
+                # Keras model classes among the bases (`class X(Task,
+                # AccumModel)`: keras-hub's `PipelineModel` has just taken
+                # Functional out of its bases and expects it back).
+                with _keeping_own_bases():
+                    ADAPTER.inject_functional(type(self))
             self.__class__ = ADAPTER.functional_variant(type(self))
             ADAPTER.init_functional(self, args, kwargs)
         else:
             self.__class__ = ADAPTER.non_functional_base(type(self))
-            super().__init__(*args, **kwargs)
-        self._accum_steps = accum_steps
-        self._epoch_end = epoch_end
-        self._accumulation = _AccumulationState(self)
-        self._flush_function = None
+            # A base further on (`class X(AccumModel, Task)`) may reach
+            # `keras.Model.__init__` with `inputs` and `outputs`, which
+            # would rewrite the bases of `AccumModel` itself for good.
+            with _keeping_own_bases():
+                super().__init__(*args, **kwargs)
+        _init_accumulation(self, accum_steps, epoch_end)
 
     # Configuration
 
@@ -151,8 +160,21 @@ class AccumModel(MultiWorkerFitWorkarounds, keras.Model):
         """The `GradientAccumulator` holding the window (None before fit)."""
         return self._accumulation.engine
 
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        # `class X(Task, AccumModel)`: a base before `AccumModel` whose
+        # `get_config` does not chain to ours (keras-hub's `Task`) would
+        # drop `accum_steps` from saved files and clones.
+        if "_accum_base" not in cls.__dict__ and (
+            cls.get_config is not AccumModel.get_config
+        ):
+            cls.get_config = _with_accumulation_config(cls.get_config)
+
     def get_config(self):
-        if isinstance(self, ADAPTER.functional_class):
+        if isinstance(self, ADAPTER.functional_class) and (
+            _next_definer(type(self), AccumModel, "get_config")
+            in _KERAS_CONFIG_CLASSES
+        ):
             config = ADAPTER.functional_config(self)
         else:
             config = super().get_config()
@@ -338,19 +360,282 @@ class AccumModel(MultiWorkerFitWorkarounds, keras.Model):
         return tf.function(run)
 
     def fit(self, *args, **kwargs):
-        bound = inspect.signature(keras.Model.fit).bind(self, *args, **kwargs)
-        callbacks = bound.arguments.get("callbacks")
+        # The arguments go on as they came, to whichever `fit` is next: a
+        # base's own `fit` (keras-hub's takes `sample_weight` fourth, where
+        # `keras.Model.fit` takes `epochs`). Only `callbacks` is changed,
+        # where it was passed.
+        next_fit = super().fit
+        args, kwargs = list(args), dict(kwargs)
+        position = _positional_index(next_fit, "callbacks")
+        in_args = position is not None and position < len(args)
+        callbacks = args[position] if in_args else kwargs.get("callbacks")
         flush = _EpochEndFlush()
         if isinstance(callbacks, keras.callbacks.CallbackList):
             flush.set_model(self)
             callbacks.callbacks.insert(0, flush)
         else:
             # First in the list, so later callbacks see the final weights.
-            bound.arguments["callbacks"] = [flush] + list(callbacks or [])
-        return super().fit(*bound.args[1:], **bound.kwargs)
+            callbacks = [flush] + list(callbacks or [])
+        if in_args:
+            args[position] = callbacks
+        else:
+            kwargs["callbacks"] = callbacks
+        return next_fit(*args, **kwargs)
 
 
 AccumModel = ADAPTER.register_serializable(AccumModel)
+
+# Keras' own `get_config`s, which write no constructor arguments of a
+# Functional subclass.
+_KERAS_CONFIG_CLASSES = tuple(
+    c
+    for c in (ADAPTER.functional_class, keras.Model, keras.layers.Layer)
+    for c in c.__mro__
+)
+
+# The bases that Keras' class rewrite must not change (see
+# `ADAPTER.inject_functional`).
+_OWN_BASES = {
+    AccumModel: AccumModel.__bases__,
+    MultiWorkerFitWorkarounds: MultiWorkerFitWorkarounds.__bases__,
+}
+
+
+@contextlib.contextmanager
+def _keeping_own_bases():
+    try:
+        yield
+    finally:
+        for cls, bases in _OWN_BASES.items():
+            if cls.__bases__ != bases:
+                cls.__bases__ = bases
+
+
+def _next_definer(cls, after, name):
+    """The class after `after` in `cls`'s MRO that defines `name`."""
+    mro = cls.__mro__
+    for c in mro[mro.index(after) + 1:]:
+        if name in c.__dict__:
+            return c
+    return None
+
+
+def _with_accumulation_config(get_config):
+    def get_config_with_accumulation(self):
+        config = get_config(self)
+        config.update(accum_steps=self.accum_steps, epoch_end=self.epoch_end)
+        return config
+
+    get_config_with_accumulation.__wrapped__ = get_config
+    get_config_with_accumulation.__doc__ = get_config.__doc__
+    return get_config_with_accumulation
+
+
+def _positional_index(fn, name):
+    """Where `fn` takes `name` by position, or None."""
+    index = 0
+    for parameter in inspect.signature(fn).parameters.values():
+        if parameter.kind not in (
+            parameter.POSITIONAL_ONLY,
+            parameter.POSITIONAL_OR_KEYWORD,
+        ):
+            return None
+        if parameter.name == name:
+            return index
+        index += 1
+    return None
+
+
+def _init_accumulation(model, accum_steps, epoch_end):
+    model._accum_steps = accum_steps
+    model._epoch_end = epoch_end
+    model._accumulation = _AccumulationState(model)
+    model._flush_function = None
+
+
+def accumulate(model, accum_steps, epoch_end="apply"):
+    """Makes an existing Keras model accumulate gradients, in place.
+
+    The one line for a model you did not write: a `keras.Sequential`, a
+    Functional model, a subclassed model, a model loaded from a file, or a
+    keras-hub task (`BertTextClassifier`, `GPT2CausalLM`, ...). Afterwards
+    `fit` trains exactly like `AccumModel`: each optimizer update applies
+    the weighted mean gradient of `accum_steps` micro-batches, equal to
+    training with `batch_size * accum_steps`.
+
+    ```python
+    model = keras_hub.models.GPT2CausalLM.from_preset("gpt2_base_en")
+    accum_model.accumulate(model, accum_steps=8)
+    model.fit(texts, batch_size=4)   # updates of 32 samples
+    ```
+
+    The object stays what it was, with its weights, its optimizer and its
+    compile settings: its class is swapped for a subclass of its own class
+    that also derives from `AccumModel` (cached per class, with the same
+    name), so `isinstance(model, AccumModel)` holds and everything of its
+    own class keeps working: its `fit` signature, a keras-hub task's
+    preprocessor, default `compile()` and `generate()`, `predict`,
+    `summary`, `export`, and its own `train_step` (which accumulates when it
+    calls `super().train_step(data)`). A train function traced before is
+    dropped, so the next `fit` traces the accumulating one. Calling it
+    again on an accumulating model (an `AccumModel` included) only changes
+    `accum_steps` and `epoch_end`.
+
+    `get_config`, `to_json`, `.keras` files and `keras.models.clone_model`
+    bring the model back as its own class, accumulating, with `accum_steps`
+    and `epoch_end` (and saved files with an open window), once
+    `accum_model` is imported.
+
+    Args:
+        model: A `keras.Model` instance, built or not, compiled or not.
+        accum_steps: Int >= 1. Micro-batches per optimizer update; 1 is
+            plain training. Also the read/write property `accum_steps`.
+        epoch_end: `"apply"` (default) applies a partly filled window at
+            the end of every epoch; `"carry"` keeps it open into the next
+            epoch. See `AccumModel`.
+
+    Returns:
+        `model` itself.
+
+    Raises:
+        TypeError: If `model` is not a `keras.Model` instance.
+        ValueError: If `accum_steps` or `epoch_end` is invalid, or Keras
+            does not run on TensorFlow.
+    """
+    if not isinstance(model, keras.Model):
+        raise TypeError(
+            "`model` must be a `keras.Model` instance. Received: "
+            f"model={model!r} of type {type(model).__name__}"
+        )
+    ADAPTER.check_backend()
+    accum_steps = validate_accum_steps(accum_steps)
+    epoch_end = validate_epoch_end(epoch_end)
+    if isinstance(model, AccumModel):
+        model.accum_steps = accum_steps
+        model.epoch_end = epoch_end
+        return model
+    model.__class__ = _accumulating_class(type(model))
+    _init_accumulation(model, accum_steps, epoch_end)
+    # Traced with the class's own `train_step`; `fit` makes a new one.
+    model.train_function = None
+    return model
+
+
+# Under this name Keras saves every class `accumulate` makes; loading it
+# calls `_Accumulating.from_config`.
+_ACCUMULATING_NAME = "accum_model>Accumulating"
+_accumulating_classes = {}
+
+
+def _accumulating_class(base):
+    """The cached `(base, AccumModel)` class `accumulate` gives a `base`.
+
+    Never called to construct (that would run Keras' class rewrite on
+    `AccumModel`, see `ADAPTER.inject_functional`): `accumulate` swaps the
+    class of a built `base` instance, and loading builds the base first.
+    """
+    cls = _accumulating_classes.get(base)
+    if cls is None:
+        cls = type(
+            base.__name__,
+            (base, AccumModel),
+            {
+                "__module__": base.__module__,
+                "__qualname__": base.__qualname__,
+                "__doc__": base.__doc__,
+                "_accum_base": base,
+                "__init__": _refuse_init,
+                "get_config": _accumulating_get_config,
+                "from_config": classmethod(_accumulating_from_config),
+            },
+        )
+        ADAPTER.register_name(cls, _ACCUMULATING_NAME)
+        _accumulating_classes[base] = cls
+    return cls
+
+
+def _refuse_init(self, model=None):
+    # Not Functional's signature, so `clone_model` builds a plain Functional
+    # (which its hook makes accumulate) instead of calling this class.
+    raise TypeError(
+        f"{type(self).__name__} is made by `accum_model.accumulate(model, "
+        "accum_steps)`; construct the model as its own class, then call "
+        "`accumulate` on it."
+    )
+
+
+def _accumulating_get_config(self):
+    base = type(self)._accum_base
+    config = dict(base.get_config(self))
+    # Reached through `super()` from the base's own `get_config`.
+    config.pop("accum_steps", None)
+    config.pop("epoch_end", None)
+    return {
+        "base": {
+            "module": base.__module__,
+            "class_name": base.__name__,
+            "registered_name": ADAPTER.registered_name(base),
+            "config": config,
+        },
+        "accum_steps": self.accum_steps,
+        "epoch_end": self.epoch_end,
+    }
+
+
+def _accumulating_from_config(cls, config, custom_objects=None):
+    del cls
+    return _Accumulating.from_config(config, custom_objects=custom_objects)
+
+
+class _Accumulating:
+    """Loads what `accumulate` made: the base from its config, then in place."""
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        del cls
+        base_config = config["base"]
+        if custom_objects:
+            with keras.saving.custom_object_scope(custom_objects):
+                model = ADAPTER.deserialize(base_config)
+        else:
+            model = ADAPTER.deserialize(base_config)
+        return accumulate(
+            model,
+            accum_steps=config["accum_steps"],
+            epoch_end=config["epoch_end"],
+        )
+
+    def get_config(self):
+        raise NotImplementedError("Loads models; never an instance.")
+
+
+ADAPTER.register_object(_ACCUMULATING_NAME, _Accumulating)
+
+
+def _clone_hook(model, clone):
+    """Makes a `keras.models.clone_model` clone accumulate like `model`."""
+    if not isinstance(model, AccumModel) or clone is model:
+        return clone
+    base = getattr(type(model), "_accum_base", type(model))
+    if isinstance(clone, AccumModel):
+        clone.accum_steps = model.accum_steps
+        clone.epoch_end = model.epoch_end
+        return clone
+    if not isinstance(clone, base):
+        warnings.warn(
+            f"`keras.models.clone_model` rebuilt the {base.__name__} "
+            f"{model.name!r} as a plain {type(clone).__name__} (Keras "
+            "clones Functional models by their graph, without the "
+            "attributes their class adds, e.g. a keras-hub preprocessor). "
+            "The clone accumulates like the original. For a clone of the "
+            f"model's own class, use `{base.__name__}.from_config("
+            "model.get_config())`, then `accum_model.accumulate`.",
+            stacklevel=4,
+        )
+    return accumulate(clone, model.accum_steps, model.epoch_end)
+
+
+ADAPTER.install_clone_hook(_clone_hook)
 
 
 class _EpochEndFlush(ADAPTER.callback_base):
