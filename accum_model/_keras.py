@@ -110,7 +110,7 @@ class _Keras3Adapter:
         ancestors of `cls` (`inject_functional_model_class`, private) when a
         subclass is constructed with `inputs` and `outputs`; keras-hub's
         `PipelineModel` undoes and redoes it on every construction. The
-        caller restores the bases that must keep their own.
+        bases of `AccumModel` stay (see its metaclass).
         """
         self._inject_functional(cls)
 

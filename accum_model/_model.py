@@ -1,6 +1,5 @@
 """`AccumModel`: a `tf.keras.Model` whose `fit` accumulates gradients."""
 
-import contextlib
 import inspect
 import warnings
 import weakref
@@ -60,7 +59,28 @@ class MultiWorkerFitWorkarounds:
         )
 
 
-class AccumModel(MultiWorkerFitWorkarounds, keras.Model):
+class _KeepsOwnBases(type):
+    """The metaclass of `AccumModel`: its bases are never rewritten.
+
+    When a subclass of a Keras model class is constructed with `inputs` and
+    `outputs`, Keras rewrites `__bases__` of every ancestor, replacing
+    `keras.Model` with `Functional` (`ADAPTER.inject_functional`). Applied
+    to `AccumModel` (by `class X(AccumModel, Task)`, or by any keras-hub
+    task class among the bases) it would make every later subclass-style
+    `AccumModel` a Functional one, and break the MRO of `(Functional,
+    AccumModel)` classes. `AccumModel` builds Functional classes of its own
+    (`ADAPTER.functional_variant`), so the rewrite is skipped for it.
+    """
+
+    def __setattr__(cls, name, value):
+        if name == "__bases__" and "_keeps_own_bases" in cls.__dict__:
+            return
+        super().__setattr__(name, value)
+
+
+class AccumModel(
+    MultiWorkerFitWorkarounds, keras.Model, metaclass=_KeepsOwnBases
+):
     """A `tf.keras.Model` that trains as if its batch were `accum_steps` larger.
 
     `fit` feeds micro-batches of `batch_size` samples; `AccumModel` keeps the
@@ -108,6 +128,8 @@ class AccumModel(MultiWorkerFitWorkarounds, keras.Model):
             not a known mode, or if Keras does not run on TensorFlow.
     """
 
+    _keeps_own_bases = True
+
     def __init__(self, *args, accum_steps=1, epoch_end="apply", **kwargs):
         ADAPTER.check_backend()
         accum_steps = validate_accum_steps(accum_steps)
@@ -118,17 +140,12 @@ class AccumModel(MultiWorkerFitWorkarounds, keras.Model):
                 # Keras model classes among the bases (`class X(Task,
                 # AccumModel)`: keras-hub's `PipelineModel` has just taken
                 # Functional out of its bases and expects it back).
-                with _keeping_own_bases():
-                    ADAPTER.inject_functional(type(self))
+                ADAPTER.inject_functional(type(self))
             self.__class__ = ADAPTER.functional_variant(type(self))
             ADAPTER.init_functional(self, args, kwargs)
         else:
             self.__class__ = ADAPTER.non_functional_base(type(self))
-            # A base further on (`class X(AccumModel, Task)`) may reach
-            # `keras.Model.__init__` with `inputs` and `outputs`, which
-            # would rewrite the bases of `AccumModel` itself for good.
-            with _keeping_own_bases():
-                super().__init__(*args, **kwargs)
+            super().__init__(*args, **kwargs)
         _init_accumulation(self, accum_steps, epoch_end)
 
     # Configuration
@@ -186,7 +203,11 @@ class AccumModel(MultiWorkerFitWorkarounds, keras.Model):
         config = dict(config)
         accum_steps = config.pop("accum_steps", None)
         epoch_end = config.pop("epoch_end", None)
-        model = super().from_config(config, custom_objects=custom_objects)
+        next_from_config = super().from_config
+        if "custom_objects" in inspect.signature(next_from_config).parameters:
+            model = next_from_config(config, custom_objects=custom_objects)
+        else:  # keras-hub's `Task.from_config(config)`, for one.
+            model = next_from_config(config)
         if accum_steps is not None:
             model.accum_steps = accum_steps
         if epoch_end is not None:
@@ -251,7 +272,43 @@ class AccumModel(MultiWorkerFitWorkarounds, keras.Model):
 
     # Training
 
+    def accumulate_gradients(self, grads, weight=1.0):
+        """Adds a micro-batch's gradients to the window; applies it when full.
+
+        For a `train_step` of your own that computes its gradients itself
+        (where `super().train_step(data)` does not fit): call this where
+        Keras' guide calls `self.optimizer.apply(grads)`, and `fit`
+        accumulates as with `AccumModel`'s own step (epoch ends included).
+
+        ```python
+        def train_step(self, data):
+            x, y = data
+            with tf.GradientTape() as tape:
+                y_pred = self(x, training=True)
+                loss = self.compute_loss(y=y, y_pred=y_pred)
+            grads = tape.gradient(loss, self.trainable_variables)
+            self.accumulate_gradients(grads, weight=tf.shape(x)[0])
+            ...
+        ```
+
+        Args:
+            grads: One gradient per variable of `self.trainable_variables`,
+                of the micro-batch's *mean* loss (with a `LossScaleOptimizer`,
+                as `GradientAccumulator.step` takes them).
+            weight: Float scalar: what that mean divided by (the number of
+                samples for Keras' default reduction, the number of tokens
+                for a per-token mean). 1.0 weighs micro-batches equally.
+
+        Returns:
+            A bool scalar tensor: whether this call applied an update.
+        """
+        self._accumulation.stepped = True
+        engine = self._accumulation.build()
+        return engine.step(grads, self.optimizer, weight=weight)
+
     def train_step(self, data):
+        # Seen when `fit` traces the step: it goes through the window.
+        self._accumulation.stepped = True
         x, y, sample_weight = ADAPTER.unpack(data)
         scaling = ADAPTER.is_loss_scale_optimizer(self.optimizer)
 
@@ -338,7 +395,11 @@ class AccumModel(MultiWorkerFitWorkarounds, keras.Model):
             Bool: whether an update was applied.
         """
         engine = self._accumulation.engine
-        if engine is None:
+        if engine is None or not self._accumulation.stepped:
+            # A `train_step` of its own that applies updates itself (see
+            # `_warn_once_on_bypass`): nothing was accumulated.
+            return False
+        if int(engine.micro_step) == 0:
             return False
         if self._flush_function is None:
             self._flush_function = self._make_flush_function(engine)
@@ -357,7 +418,13 @@ class AccumModel(MultiWorkerFitWorkarounds, keras.Model):
 
         if self.run_eagerly:
             return run
-        return tf.function(run)
+        function = tf.function(run)
+        # Traced once per model and called once per epoch: TensorFlow's
+        # retracing warning (keyed by the code of `run`, shared by all
+        # models) would fire after a few models in one process (k-fold, a
+        # notebook) for retracing that is expected (`_omit_...`, private).
+        function._omit_frequent_tracing_warning = True
+        return function
 
     def fit(self, *args, **kwargs):
         # The arguments go on as they came, to whichever `fit` is next: a
@@ -392,24 +459,6 @@ _KERAS_CONFIG_CLASSES = tuple(
     for c in (ADAPTER.functional_class, keras.Model, keras.layers.Layer)
     for c in c.__mro__
 )
-
-# The bases that Keras' class rewrite must not change (see
-# `ADAPTER.inject_functional`).
-_OWN_BASES = {
-    AccumModel: AccumModel.__bases__,
-    MultiWorkerFitWorkarounds: MultiWorkerFitWorkarounds.__bases__,
-}
-
-
-@contextlib.contextmanager
-def _keeping_own_bases():
-    try:
-        yield
-    finally:
-        for cls, bases in _OWN_BASES.items():
-            if cls.__bases__ != bases:
-                cls.__bases__ = bases
-
 
 def _next_definer(cls, after, name):
     """The class after `after` in `cls`'s MRO that defines `name`."""
@@ -661,6 +710,7 @@ class _EpochEndFlush(ADAPTER.callback_base):
             self._flush()
 
     def on_epoch_end(self, epoch, logs=None):
+        _warn_once_on_bypass(self.model)
         self._flush()
 
     def _flush(self):
@@ -683,6 +733,10 @@ class _AccumulationState(ADAPTER.saveable_base):
         self._model_ref = weakref.ref(model)
         self.engine = None
         self.warned_batchnorm = False
+        # Whether a traced step went through the window (`train_step` or
+        # `accumulate_gradients`), and whether the model warned it did not.
+        self.stepped = False
+        self.warned_bypass = False
 
     def _obj_type(self):
         return ADAPTER.saveable_obj_type
@@ -758,6 +812,23 @@ class _AccumulationState(ADAPTER.saveable_base):
             )
         for i, v in enumerate(state):
             v.assign(store[str(i)])
+
+
+def _warn_once_on_bypass(model):
+    state = model._accumulation
+    if state.stepped or state.warned_bypass:
+        return
+    state.warned_bypass = True
+    warnings.warn(
+        f"The `train_step` of {type(model).__name__} {model.name!r} did not "
+        "go through `AccumModel.train_step` or `accumulate_gradients`, so "
+        f"it applies every micro-batch itself: accum_steps="
+        f"{model.accum_steps} and epoch_end={model.epoch_end!r} have no "
+        "effect. Call `super().train_step(data)`, or pass the gradients to "
+        "`self.accumulate_gradients(grads, weight)` instead of "
+        "`self.optimizer.apply` (see docs/models.md).",
+        stacklevel=2,
+    )
 
 
 def _warn_once_on_plain_batchnorm(model):
