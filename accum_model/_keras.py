@@ -147,6 +147,10 @@ class _Keras3Adapter:
     def _registry_module(self):
         return keras.saving
 
+    def accumulating_class_methods(self):
+        """Methods the classes of `accumulate` need in this generation."""
+        return {}
+
     def deserialize(self, config):
         """A Keras object from the dict `serialize_keras_object` writes."""
         return keras.saving.deserialize_keras_object(config)
@@ -439,6 +443,20 @@ class _TfKerasAdapter(_Keras3Adapter):
 
     def check_backend(self):
         pass  # tf_keras runs on TensorFlow only.
+
+    def accumulating_class_methods(self):
+        registered_name = self.registered_name
+
+        def _updated_config(model):
+            # tf_keras' `to_json` writes `class_name` from `__name__`, which
+            # the classes of `accumulate` share with their base; under that
+            # name `model_from_json` would build the base from their config.
+            # `_updated_config` (private) is where `to_json` takes it from.
+            config = keras.Model._updated_config(model)
+            config["class_name"] = registered_name(type(model))
+            return config
+
+        return {"_updated_config": _updated_config}
 
     def check_accum_batchnorm(self):
         raise ValueError(

@@ -597,6 +597,7 @@ def _accumulating_class(base):
                 "__init__": _refuse_init,
                 "get_config": _accumulating_get_config,
                 "from_config": classmethod(_accumulating_from_config),
+                **ADAPTER.accumulating_class_methods(),
             },
         )
         ADAPTER.register_name(cls, _ACCUMULATING_NAME)
@@ -633,7 +634,11 @@ def _accumulating_get_config(self):
 
 
 def _accumulating_from_config(cls, config, custom_objects=None):
-    del cls
+    if "base" not in config:
+        # The base's own config: a deserializer that found this class by
+        # the base's name (`clone_model`'s `custom_objects`) while loading
+        # the base of a saved one, which `_Accumulating` then converts.
+        return cls._accum_base.from_config(config)
     return _Accumulating.from_config(config, custom_objects=custom_objects)
 
 
