@@ -59,6 +59,7 @@ class _Keras3Adapter:
         # functional AccumModels from a `(cls, Functional)` subclass instead,
         # which needs Functional's own `__init__` and the check it uses.
         self.functional_class = functional.Functional
+        self.functional_like = functional.functional_like_constructor
         self._functional_init_arguments = model_lib.functional_init_arguments
         # Keras' saving walks attributes that are `KerasSaveable` and stores
         # what their `save_own_variables` writes; that is how the window state
@@ -425,6 +426,7 @@ class _TfKerasAdapter(_Keras3Adapter):
         from tf_keras.src.saving import object_registration
 
         self.functional_class = functional.Functional
+        self.functional_like = functional.has_functional_like_constructor
         self._functional_init_arguments = (
             training.is_functional_model_init_params
         )

@@ -1,5 +1,6 @@
 """`AccumModel`: a `tf.keras.Model` whose `fit` accumulates gradients."""
 
+import functools
 import inspect
 import warnings
 import weakref
@@ -16,6 +17,8 @@ ADAPTER = _keras.ADAPTER
 keras = _keras.keras
 
 EPOCH_END_MODES = ("apply", "carry")
+
+_UNSET = type("Unset", (), {"__repr__": lambda self: "<default>"})()
 
 
 def validate_epoch_end(epoch_end):
@@ -114,7 +117,7 @@ class AccumModel(
 
     Args:
         *args: Passed to `tf.keras.Model` (e.g. `inputs`, `outputs`).
-        accum_steps: Int >= 1. Micro-batches per optimizer update; 1 is plain
+        accum_steps: Int >= 1 (default 1). Micro-batches per update; 1 is plain
             training. Also a read/write property: a new value takes effect when
             the next window opens, without retracing.
         epoch_end: `"apply"` (default) applies a partly filled window at the end
@@ -130,7 +133,15 @@ class AccumModel(
 
     _keeps_own_bases = True
 
-    def __init__(self, *args, accum_steps=1, epoch_end="apply", **kwargs):
+    def __init__(self, *args, accum_steps=_UNSET, epoch_end=_UNSET,
+                 **kwargs):
+        # Given to a subclass's `__init__` that did not pass them on (see
+        # `_seeing_accumulation_arguments`), else the defaults.
+        given = self.__dict__.get("_accum_new_kwargs", {})
+        if accum_steps is _UNSET:
+            accum_steps = given.get("accum_steps", 1)
+        if epoch_end is _UNSET:
+            epoch_end = given.get("epoch_end", "apply")
         ADAPTER.check_backend()
         accum_steps = validate_accum_steps(accum_steps)
         epoch_end = validate_epoch_end(epoch_end)
@@ -179,12 +190,17 @@ class AccumModel(
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
+        if "_accum_base" in cls.__dict__:
+            return  # Made by `accumulate`, never constructed.
+        init = cls.__init__
+        if init is not AccumModel.__init__ and not getattr(
+            init, "_accum_sees_arguments", False
+        ):
+            cls.__init__ = _seeing_accumulation_arguments(init)
         # `class X(Task, AccumModel)`: a base before `AccumModel` whose
         # `get_config` does not chain to ours (keras-hub's `Task`) would
         # drop `accum_steps` from saved files and clones.
-        if "_accum_base" not in cls.__dict__ and (
-            cls.get_config is not AccumModel.get_config
-        ):
+        if cls.get_config is not AccumModel.get_config:
             cls.get_config = _with_accumulation_config(cls.get_config)
 
     def get_config(self):
@@ -481,6 +497,31 @@ def _with_accumulation_config(get_config):
     return get_config_with_accumulation
 
 
+def _seeing_accumulation_arguments(init):
+    """Wraps a subclass's `__init__` so `AccumModel.__init__` sees its args.
+
+    `class X(Base, AccumModel)` where `Base` builds itself functionally:
+    once Keras has made `Base` Functional, `X(..., accum_steps=4)` reaches
+    `AccumModel.__init__` only through `Functional.__init__`, which drops
+    arguments it does not know. The wrapper keeps them on the instance
+    first. Its signature stays `init`'s, which `clone_model` reads.
+    """
+
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        if "_accum_new_kwargs" not in self.__dict__:
+            object.__setattr__(self, "_accum_new_kwargs", {
+                k: kwargs[k]
+                for k in ("accum_steps", "epoch_end")
+                if k in kwargs
+            })
+        init(self, *args, **kwargs)
+
+    __init__.__signature__ = inspect.signature(init)
+    __init__._accum_sees_arguments = True
+    return __init__
+
+
 def _positional_index(fn, name):
     """Where `fn` takes `name` by position, or None."""
     index = 0
@@ -586,20 +627,22 @@ def _accumulating_class(base):
     """
     cls = _accumulating_classes.get(base)
     if cls is None:
-        cls = type(
-            base.__name__,
-            (base, AccumModel),
-            {
-                "__module__": base.__module__,
-                "__qualname__": base.__qualname__,
-                "__doc__": base.__doc__,
-                "_accum_base": base,
-                "__init__": _refuse_init,
-                "get_config": _accumulating_get_config,
-                "from_config": classmethod(_accumulating_from_config),
-                **ADAPTER.accumulating_class_methods(),
-            },
-        )
+        namespace = {
+            "__module__": base.__module__,
+            "__qualname__": base.__qualname__,
+            "__doc__": base.__doc__,
+            "_accum_base": base,
+            "get_config": _accumulating_get_config,
+            "from_config": classmethod(_accumulating_from_config),
+            **ADAPTER.accumulating_class_methods(),
+        }
+        if not ADAPTER.functional_like(base):
+            # Not a signature Keras constructs (`clone_model` builds a plain
+            # Functional, which its hook makes accumulate). A Functional
+            # base keeps its own: `X(inputs, outputs)` reaches
+            # `AccumModel.__init__` only without functional arguments.
+            namespace["__init__"] = _refuse_init
+        cls = type(base.__name__, (base, AccumModel), namespace)
         ADAPTER.register_name(cls, _ACCUMULATING_NAME)
         _accumulating_classes[base] = cls
     return cls
@@ -617,7 +660,14 @@ def _refuse_init(self, model=None):
 
 def _accumulating_get_config(self):
     base = type(self)._accum_base
-    config = dict(base.get_config(self))
+    definer = next(c for c in base.__mro__ if "get_config" in c.__dict__)
+    if isinstance(self, ADAPTER.functional_class) and (
+        definer in _KERAS_CONFIG_CLASSES
+    ):
+        # Keras' own writes the graph only for classes it may construct.
+        config = ADAPTER.functional_config(self)
+    else:
+        config = dict(base.get_config(self))
     # Reached through `super()` from the base's own `get_config`.
     config.pop("accum_steps", None)
     config.pop("epoch_end", None)
