@@ -498,6 +498,52 @@ class RetracingTest(tf.test.TestCase):
         )
 
 
+class TransferLearningTest(tf.test.TestCase):
+    def test_freeze_train_unfreeze_recompile(self):
+        # Keras' transfer-learning recipe on a small `keras.applications`
+        # model (random weights, `weights=None`, no download): the base in
+        # inference mode, frozen, then unfrozen and re-compiled.
+        def build(seed=0):
+            keras.utils.set_random_seed(seed)
+            base = keras.applications.MobileNetV3Small(
+                input_shape=(32, 32, 3), include_top=False, weights=None,
+                minimalistic=True, alpha=0.75, include_preprocessing=False,
+            )
+            inputs = keras.Input((32, 32, 3))
+            h = base(inputs, training=False)
+            h = keras.layers.GlobalAveragePooling2D()(h)
+            return keras.Model(inputs, keras.layers.Dense(3)(h)), base
+
+        rng = np.random.default_rng(0)
+        x = rng.uniform(size=(12, 32, 32, 3)).astype("float32")
+        y = rng.integers(0, 3, size=(12,)).astype("int32")
+        reference, ref_base = build()
+        model, base = build(1)
+        tu.copy_weights(reference, model)
+        accumulate(model, 3)
+        trajectories = ([], [])
+        for trainable, lr in ((False, 0.1), (True, 0.01)):
+            for m, b, batch, out in ((reference, ref_base, 6, trajectories[0]),
+                                     (model, base, 2, trajectories[1])):
+                b.trainable = trainable
+                # Keras' advice for fine-tuning: BatchNormalization stays
+                # frozen (inference mode) when the rest is unfrozen; one in
+                # training mode normalizes by micro-batch statistics, which
+                # no accumulation makes equal to the large batch's.
+                for layer in b.layers:
+                    if isinstance(layer, keras.layers.BatchNormalization):
+                        layer.trainable = False
+                _, weights = tu.train(
+                    m, x, y, batch, 1,
+                    keras.optimizers.SGD(lr, momentum=0.9),
+                    "sparse_categorical_crossentropy",
+                )
+                out.extend(weights)
+        self.assertLen(trajectories[1], 4)
+        self.assertGreater(len(model.trainable_variables), 2)
+        tu.assert_same_trajectory(self, *trajectories)
+
+
 class PublicApiTest(tf.test.TestCase):
     def test_exported(self):
         self.assertIn("accumulate", accum_model.__all__)
