@@ -504,20 +504,30 @@ def _seeing_accumulation_arguments(init):
     once Keras has made `Base` Functional, `X(..., accum_steps=4)` reaches
     `AccumModel.__init__` only through `Functional.__init__`, which drops
     arguments it does not know. The wrapper keeps them on the instance
-    first. Its signature stays `init`'s, which `clone_model` reads.
+    first, and takes them out of what `init` passes on through its own
+    `**kwargs` (tf_keras' `Functional.__init__` refuses unknown ones). Its
+    signature stays `init`'s, which `clone_model` reads.
     """
+    signature = inspect.signature(init)
+    named = {
+        name
+        for name, p in signature.parameters.items()
+        if p.kind is not p.VAR_KEYWORD
+    }
 
     @functools.wraps(init)
     def __init__(self, *args, **kwargs):
         if "_accum_new_kwargs" not in self.__dict__:
-            object.__setattr__(self, "_accum_new_kwargs", {
-                k: kwargs[k]
-                for k in ("accum_steps", "epoch_end")
-                if k in kwargs
-            })
+            given = {}
+            for name in ("accum_steps", "epoch_end"):
+                if name in kwargs:
+                    given[name] = (
+                        kwargs[name] if name in named else kwargs.pop(name)
+                    )
+            object.__setattr__(self, "_accum_new_kwargs", given)
         init(self, *args, **kwargs)
 
-    __init__.__signature__ = inspect.signature(init)
+    __init__.__signature__ = signature
     __init__._accum_sees_arguments = True
     return __init__
 
