@@ -743,8 +743,8 @@ def _clone_hook(model, clone):
             "clones Functional models by their graph, without the "
             "attributes their class adds, e.g. a keras-hub preprocessor). "
             "The clone accumulates like the original. For a clone of the "
-            f"model's own class, use `{base.__name__}.from_config("
-            "model.get_config())`, then `accum_model.accumulate`.",
+            "model's own class (accumulating too), use "
+            "`type(model).from_config(model.get_config())`.",
             stacklevel=4,
         )
     return accumulate(clone, model.accum_steps, model.epoch_end)
