@@ -416,8 +416,6 @@ class AccumModel(
             # A `train_step` of its own that applies updates itself (see
             # `_warn_once_on_bypass`): nothing was accumulated.
             return False
-        if int(engine.micro_step) == 0:
-            return False
         if self._flush_function is None:
             self._flush_function = self._make_flush_function(engine)
         return bool(self._flush_function())
