@@ -5,11 +5,15 @@ from accum_model._batchnorm import AccumBatchNormalization
 from accum_model._batchnorm import replace_batchnorm
 from accum_model._model import AccumModel
 from accum_model._model import accumulate
+from accum_model._noise_scale import NoiseScale
+from accum_model._warmup import AccumStepsWarmup
 
 __all__ = [
     "AccumBatchNormalization",
     "AccumModel",
+    "AccumStepsWarmup",
     "GradientAccumulator",
+    "NoiseScale",
     "accumulate",
     "replace_batchnorm",
 ]

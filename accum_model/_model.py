@@ -8,6 +8,7 @@ import weakref
 import tensorflow as tf
 
 from accum_model import _keras
+from accum_model import _noise_scale
 from accum_model import _normalizers
 from accum_model import _optimizer
 from accum_model._accumulator import GradientAccumulator
@@ -124,17 +125,23 @@ class AccumModel(
             of every epoch, before validation and the `on_epoch_end`
             callbacks, so they see the epoch's final weights. `"carry"` keeps
             the window open into the next epoch (Keras' built-in behaviour).
+        noise_scale: `False` (default), `True` or an
+            `accum_model.NoiseScale(every=..., beta=...)`: measure the
+            gradient noise scale `B_simple` of the windows and log it as
+            `logs["gradient_noise_scale"]` (see docs/noise_scale.md). Off,
+            the training step is unchanged.
         **kwargs: Passed to `tf.keras.Model` (e.g. `name`).
 
     Raises:
         ValueError: If `accum_steps` is not an integer >= 1, if `epoch_end` is
             not a known mode, or if Keras does not run on TensorFlow.
+        TypeError: If `noise_scale` is not one of the above.
     """
 
     _keeps_own_bases = True
 
     def __init__(self, *args, accum_steps=_UNSET, epoch_end=_UNSET,
-                 **kwargs):
+                 noise_scale=_UNSET, **kwargs):
         # Given to a subclass's `__init__` that did not pass them on (see
         # `_seeing_accumulation_arguments`), else the defaults.
         given = self.__dict__.get("_accum_new_kwargs", {})
@@ -142,9 +149,12 @@ class AccumModel(
             accum_steps = given.get("accum_steps", 1)
         if epoch_end is _UNSET:
             epoch_end = given.get("epoch_end", "apply")
+        if noise_scale is _UNSET:
+            noise_scale = given.get("noise_scale", False)
         ADAPTER.check_backend()
         accum_steps = validate_accum_steps(accum_steps)
         epoch_end = validate_epoch_end(epoch_end)
+        noise_scale = _noise_scale.as_config(noise_scale)
         if ADAPTER.is_functional_call(args, kwargs):
             if not issubclass(type(self), ADAPTER.functional_class):
                 # What `keras.Model.__init__` does first, for the other
@@ -157,7 +167,7 @@ class AccumModel(
         else:
             self.__class__ = ADAPTER.non_functional_base(type(self))
             super().__init__(*args, **kwargs)
-        _init_accumulation(self, accum_steps, epoch_end)
+        _init_accumulation(self, accum_steps, epoch_end, noise_scale)
 
     # Configuration
 
@@ -182,6 +192,41 @@ class AccumModel(
     @epoch_end.setter
     def epoch_end(self, value):
         self._epoch_end = validate_epoch_end(value)
+
+    @property
+    def noise_scale(self):
+        """The `NoiseScale` measured, or None (off).
+
+        Settable before the first training step only (the measurement is
+        part of the compiled step).
+        """
+        return self._noise_scale
+
+    @noise_scale.setter
+    def noise_scale(self, value):
+        value = _noise_scale.as_config(value)
+        if (
+            value != self._noise_scale
+            and self._accumulation.engine is not None
+        ):
+            raise ValueError(
+                "`noise_scale` can only be set before the model is trained "
+                "(it is part of the compiled training step). Received: "
+                f"noise_scale={value!r} after training started"
+            )
+        self._noise_scale = value
+
+    @property
+    def gradient_noise_scale(self):
+        """Float: the measured `B_simple`, in the loss normalizer's unit.
+
+        NaN before a window gave an estimate, None when `noise_scale` is
+        off. The engine's `noise_scale` has the parts.
+        """
+        engine = self._accumulation.engine
+        if engine is None or engine.noise_scale is None:
+            return None if self._noise_scale is None else float("nan")
+        return float(engine.noise_scale.b_simple)
 
     @property
     def gradient_accumulator(self):
@@ -211,7 +256,7 @@ class AccumModel(
             config = ADAPTER.functional_config(self)
         else:
             config = super().get_config()
-        config.update(accum_steps=self.accum_steps, epoch_end=self.epoch_end)
+        config.update(_accumulation_config(self))
         return config
 
     @classmethod
@@ -219,11 +264,14 @@ class AccumModel(
         config = dict(config)
         accum_steps = config.pop("accum_steps", None)
         epoch_end = config.pop("epoch_end", None)
+        noise_scale = config.pop("noise_scale", None)
         next_from_config = super().from_config
         if "custom_objects" in inspect.signature(next_from_config).parameters:
             model = next_from_config(config, custom_objects=custom_objects)
         else:  # keras-hub's `Task.from_config(config)`, for one.
             model = next_from_config(config)
+        if noise_scale is not None:
+            model.noise_scale = noise_scale
         if accum_steps is not None:
             model.accum_steps = accum_steps
         if epoch_end is not None:
@@ -371,6 +419,10 @@ class AccumModel(
                 gradient_scale=scale if scaling else None,
             )
             engine._close_if_full(self._apply_gradients)
+            if engine.noise_scale is not None:
+                logs["gradient_noise_scale"] = ADAPTER.replica_log(
+                    self, engine.noise_scale.b_simple
+                )
             if scaling:
                 logs["skipped_microbatches"] = ADAPTER.replica_log(
                     self, engine.skipped_steps
@@ -484,10 +536,17 @@ def _next_definer(cls, after, name):
     return None
 
 
+def _accumulation_config(model):
+    config = dict(accum_steps=model.accum_steps, epoch_end=model.epoch_end)
+    if model._noise_scale is not None:
+        config["noise_scale"] = model._noise_scale.get_config()
+    return config
+
+
 def _with_accumulation_config(get_config):
     def get_config_with_accumulation(self):
         config = get_config(self)
-        config.update(accum_steps=self.accum_steps, epoch_end=self.epoch_end)
+        config.update(_accumulation_config(self))
         return config
 
     get_config_with_accumulation.__wrapped__ = get_config
@@ -517,7 +576,7 @@ def _seeing_accumulation_arguments(init):
     def __init__(self, *args, **kwargs):
         if "_accum_new_kwargs" not in self.__dict__:
             given = {}
-            for name in ("accum_steps", "epoch_end"):
+            for name in ("accum_steps", "epoch_end", "noise_scale"):
                 if name in kwargs:
                     given[name] = (
                         kwargs[name] if name in named else kwargs.pop(name)
@@ -545,9 +604,10 @@ def _positional_index(fn, name):
     return None
 
 
-def _init_accumulation(model, accum_steps, epoch_end):
+def _init_accumulation(model, accum_steps, epoch_end, noise_scale=None):
     model._accum_steps = accum_steps
     model._epoch_end = epoch_end
+    model._noise_scale = noise_scale
     model._accumulation = _AccumulationState(model)
     model._flush_function = None
 
@@ -676,9 +736,10 @@ def _accumulating_get_config(self):
         config = ADAPTER.functional_config(self)
     else:
         config = dict(base.get_config(self))
-    # Reached through `super()` from the base's own `get_config`.
-    config.pop("accum_steps", None)
-    config.pop("epoch_end", None)
+    accumulation = _accumulation_config(self)
+    for key in ("accum_steps", "epoch_end", "noise_scale"):
+        # Reached through `super()` from the base's own `get_config`.
+        config.pop(key, None)
     return {
         "base": {
             "module": base.__module__,
@@ -686,8 +747,7 @@ def _accumulating_get_config(self):
             "registered_name": ADAPTER.registered_name(base),
             "config": config,
         },
-        "accum_steps": self.accum_steps,
-        "epoch_end": self.epoch_end,
+        **accumulation,
     }
 
 
@@ -712,11 +772,14 @@ class _Accumulating:
                 model = ADAPTER.deserialize(base_config)
         else:
             model = ADAPTER.deserialize(base_config)
-        return accumulate(
+        model = accumulate(
             model,
             accum_steps=config["accum_steps"],
             epoch_end=config["epoch_end"],
         )
+        if config.get("noise_scale") is not None:
+            model.noise_scale = config["noise_scale"]
+        return model
 
     def get_config(self):
         raise NotImplementedError("Loads models; never an instance.")
@@ -733,6 +796,7 @@ def _clone_hook(model, clone):
     if isinstance(clone, AccumModel):
         clone.accum_steps = model.accum_steps
         clone.epoch_end = model.epoch_end
+        clone.noise_scale = model.noise_scale
         return clone
     if not isinstance(clone, base):
         warnings.warn(
@@ -745,7 +809,9 @@ def _clone_hook(model, clone):
             "`type(model).from_config(model.get_config())`.",
             stacklevel=4,
         )
-    return accumulate(clone, model.accum_steps, model.epoch_end)
+    clone = accumulate(clone, model.accum_steps, model.epoch_end)
+    clone.noise_scale = model.noise_scale
+    return clone
 
 
 ADAPTER.install_clone_hook(_clone_hook)
@@ -839,6 +905,7 @@ class _AccumulationState(ADAPTER.saveable_base):
                 engine = GradientAccumulator(
                     variables,
                     accum_steps=model.accum_steps,
+                    noise_scale=model.noise_scale,
                     name="accumulation",
                 )
                 if model.optimizer is not None and variables:

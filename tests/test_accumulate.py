@@ -369,6 +369,16 @@ class RoundTripTest(tf.test.TestCase, parameterized.TestCase):
         self.assertIsNot(clone, model)
         self._assert_accumulating(clone, model)
 
+    def test_noise_scale_setting_travels(self):
+        model = accumulate(_sequential(), 4)
+        model.noise_scale = True
+        for restored in (
+            type(model).from_config(model.get_config()),
+            keras.models.clone_model(model),
+        ):
+            self.assertEqual(restored.noise_scale, model.noise_scale)
+            self.assertIsNotNone(restored.noise_scale)
+
     @parameterized.named_parameters(("compiled", True), ("uncompiled", False))
     def test_clone_model_of_accum_model(self, compiled):
         # Before: a functional `AccumModel` cloned to accum_steps=1.

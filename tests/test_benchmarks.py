@@ -9,6 +9,7 @@ import functools
 import importlib.util
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -16,8 +17,8 @@ import tempfile
 import tensorflow as tf
 
 from accum_model import GradientAccumulator
-from accum_model._keras import LEGACY
 from accum_model._keras import keras
+from tests import testing_utils as tu
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -70,7 +71,7 @@ class BenchFitTest(tf.test.TestCase):
             report = json.load(f)
 
         contenders = ["plain_B", "accum", "plain_NB", "floor", "accum_again"]
-        if not LEGACY:  # tf_keras' optimizers have no built-in option.
+        if tu.HAS_BUILTIN_ACCUMULATION:
             contenders.append("builtin")
         workloads = [r["workload"] for r in report["results"]]
         self.assertCountEqual(workloads, ["mlp", "cnn", "transformer"])
@@ -79,11 +80,18 @@ class BenchFitTest(tf.test.TestCase):
             for rates in r["samples_per_second"].values():
                 self.assertNotEmpty(rates)
                 self.assertTrue(all(rate > 0 for rate in rates))
+            # Each ratio is recomputed here from the raw rates it reports.
+            rates = r["samples_per_second"]
+            median_interval = _load_bench_fit().median_interval
             for reference in contenders[:1] + contenders[2:]:
                 ratio = r["ratios"][f"accum/{reference}"]
-                self.assertGreater(ratio["median"], 0)
-                low, high = ratio["interval"]
-                self.assertBetween(ratio["median"], low, high)
+                per_repeat = [a / b for a, b in
+                              zip(rates["accum"], rates[reference])]
+                self.assertAllClose(ratio["per_repeat"], per_repeat)
+                self.assertAllClose(ratio["median"],
+                                    statistics.median(per_repeat))
+                self.assertAllClose(ratio["interval"],
+                                    median_interval(per_repeat)[:2])
             # One float32 copy of the weights, plus a few scalar counters.
             memory = r["memory"]
             self.assertBetween(memory["accumulator_over_parameters"],
@@ -93,10 +101,37 @@ class BenchFitTest(tf.test.TestCase):
             traces = r["traces"]
             self.assertBetween(traces["accum"], 1, 2)
             self.assertLessEqual(traces["accum"], traces["plain_B"])
-            self.assertEqual(traces["accum_epoch_end_flush"], 1)
             self.assertGreater(traces["fit_calls"]["accum"], 2)
             # The table row of this workload is printed.
             self.assertIn(f"| {r['workload']} | adamw |", result.stdout)
+
+
+class BenchFitNoiseScaleTest(tf.test.TestCase):
+    def test_noise_scale_contenders_are_timed_against_accum(self):
+        path = os.path.join(tempfile.mkdtemp(), "bench.json")
+        env = dict(os.environ, PYTHONPATH=_ROOT, TF_CPP_MIN_LOG_LEVEL="2")
+        result = subprocess.run(
+            [sys.executable, os.path.join(_ROOT, "benchmarks", "bench_fit.py"),
+             "--quick", "--workloads=mlp", "--optimizers=sgd",
+             "--contenders=accum_again", "--noise_scale_every=1,3",
+             f"--json={path}"],
+            capture_output=True, text=True, timeout=300, env=env, check=False,
+        )
+        self.assertEqual(result.returncode, 0, result.stderr[-3000:])
+        with open(path) as f:
+            report = json.load(f)
+        (r,) = report["results"]
+        self.assertCountEqual(
+            r["samples_per_second"],
+            ["accum", "accum_again", "accum_gns_k1", "accum_gns_k3"],
+        )
+        for name in ("accum_gns_k1", "accum_gns_k3"):
+            entry = r["noise_scale"][name]
+            self.assertGreater(entry["ratio_to_accum"]["median"], 0)
+            self.assertIn(f"| mlp | sgd | {name} |", result.stdout)
+        # Every window of the quick run is measured at k=1.
+        self.assertGreater(r["noise_scale"]["accum_gns_k1"]["measurements"],
+                           r["noise_scale"]["accum_gns_k3"]["measurements"])
 
 
 class XlaApplyTest(tf.test.TestCase):
