@@ -245,13 +245,12 @@ class GPT2Test(tf.test.TestCase, parameterized.TestCase):
             restored = keras.models.load_model(path)
         self.assertIsInstance(restored, keras_hub.models.GPT2CausalLM)
         self.assertEqual(restored.accum_steps, 2)
-        self.assertAllClose(
-            restored.predict(["a b c"], verbose=0),
-            lm.predict(["a b c"], verbose=0), atol=1e-6,
+        tu.assert_same_trajectory(
+            self, [lm.get_weights()], [restored.get_weights()], atol=0
         )
+        # 7 texts at 2: 4 micro-batches, 2 updates of 2.
         _fit(restored, 2, "momentum", epochs=1)
         self.assertEqual(int(restored.optimizer.iterations), 2)
-        self.assertLen(restored.generate(["b"], max_length=4), 1)
 
 
 if __name__ == "__main__":
