@@ -114,23 +114,12 @@ class AccumBatchNormalization(keras.layers.BatchNormalization):
     """
 
     def __init__(self, *args, **kwargs):
-        if _keras.LEGACY:
-            raise ValueError(
-                "`AccumBatchNormalization` needs Keras 3; tf_keras "
-                "(TF_USE_LEGACY_KERAS=1) is not supported yet. Received: "
-                "tf.keras from tf_keras. Keep `BatchNormalization` there "
-                "(its moving statistics then update once per micro-batch)."
-            )
+        ADAPTER.check_accum_batchnorm()
         super().__init__(*args, **kwargs)
         # Python attributes, set before the train step is traced, so the
         # traced graph takes the pooled path.
         self._accum_managed = False
         self._accum_window = None
-
-    @property
-    def accumulation_managed(self):
-        """Bool. Whether an accumulator owns the moving-statistics updates."""
-        return self._accum_managed
 
     def attach_to_accumulator(self, engine):
         """Hands the moving-statistics update to `engine`'s window.
@@ -161,7 +150,7 @@ class AccumBatchNormalization(keras.layers.BatchNormalization):
             with tf.init_scope():
                 self._accum_window.reset()
         self._accum_managed = True
-        engine.add_apply_hook(
+        engine._add_apply_hook(
             self._update_moving_from_window,
             state=self._accum_window.variables,
         )
@@ -300,8 +289,7 @@ def replace_batchnorm(model):
         ValueError: If `model` is not a functional or Sequential model, or
             under tf_keras.
     """
-    if _keras.LEGACY:
-        AccumBatchNormalization()  # Raises the tf_keras error.
+    ADAPTER.check_accum_batchnorm()
     functional = ADAPTER.functional_class
     if not isinstance(model, (keras.Sequential, functional)):
         raise ValueError(

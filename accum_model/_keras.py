@@ -4,8 +4,17 @@
 `TF_USE_LEGACY_KERAS=1` is set before TensorFlow is imported. The engine and
 `AccumModel` call the one `ADAPTER` chosen here, never `if` on the version.
 
-Private Keras names used here, each for a reason given where it is used, are
-the only ones in the package.
+Private Keras names are used here, each for a reason given where it is used.
+Elsewhere the package uses only these, which a Keras generation that lacks
+them fails on at once (not silently):
+
+- `_maybe_symbolic_build` (Keras 3's `fit`), overridden by
+  `MultiWorkerFitWorkarounds` in `_model.py` to build without a collective;
+- BatchNormalization's internals `_moments`, `_reduction_axes`,
+  `_renorm_correction_and_moments`, `_compose_transforms`,
+  `_update_renorm_statistics` (Keras 3), used by `AccumBatchNormalization`
+  in `_batchnorm.py`, which replaces only the moving-statistics update of
+  `BatchNormalization.call`.
 """
 
 import re
@@ -133,6 +142,15 @@ class _Keras3Adapter:
                 f"Received: keras.backend.backend()={backend!r}. Set "
                 "KERAS_BACKEND=tensorflow before importing Keras."
             )
+
+    def check_accum_batchnorm(self):
+        """Raises unless `AccumBatchNormalization` works with this Keras."""
+
+    def layers(self, model, include_self=False):
+        """Every layer of `model`, nested ones included, depth first."""
+        # `_flatten_layers` (private, both generations) is how Keras itself
+        # walks nested layers and models.
+        return list(model._flatten_layers(include_self=include_self))
 
     # Construction
 
@@ -286,9 +304,6 @@ class _Keras3Adapter:
         # LossScaleOptimizer's inner optimizer applies them.
         self.inner_optimizer(optimizer).apply(grads, variables)
 
-    def iterations(self, optimizer):
-        return optimizer.iterations
-
     # Loss scaling (mixed_float16); rules in `_mixed_precision`.
 
     def loss_scale(self, optimizer):
@@ -430,6 +445,14 @@ class _TfKerasAdapter(_Keras3Adapter):
 
     def check_backend(self):
         pass  # tf_keras runs on TensorFlow only.
+
+    def check_accum_batchnorm(self):
+        raise ValueError(
+            "`AccumBatchNormalization` needs Keras 3; tf_keras "
+            "(TF_USE_LEGACY_KERAS=1) is not supported yet. Received: "
+            "tf.keras from tf_keras. Keep `BatchNormalization` there "
+            "(its moving statistics then update once per micro-batch)."
+        )
 
     def functional_config(self, model):
         # tf_keras writes a graph config only for classes whose `__init__`

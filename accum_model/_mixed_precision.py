@@ -24,6 +24,8 @@ generation keeps its loss-scale variables (`dynamic_loss_scale`).
 
 import tensorflow as tf
 
+from accum_model import _control_flow
+
 
 def unscale_gradients(grads, factor):
     """Returns `grads` in float32, each multiplied by `factor`.
@@ -84,9 +86,7 @@ def all_replicas_finite(grads):
     bad = tf.add_n(
         [tf.cast(tf.logical_not(f), tf.float32) for f in flags]
     )
-    if tf.distribute.has_strategy() and not (
-        tf.distribute.in_cross_replica_context()
-    ):
+    if _control_flow.in_replica_context_of_strategy():
         bad = tf.distribute.get_replica_context().all_reduce(
             tf.distribute.ReduceOp.SUM, bad
         )
@@ -142,18 +142,7 @@ def assign_everywhere(assignments, is_finite):
         assignments: `fn(is_finite)` that assigns the variables.
         is_finite: Bool scalar tensor.
     """
-    if tf.distribute.has_strategy() and not (
-        tf.distribute.in_cross_replica_context()
-    ):
-
-        def merge_fn(strategy, flag):
-            assignments(strategy.experimental_local_results(flag)[0])
-
-        tf.distribute.get_replica_context().merge_call(
-            merge_fn, args=(is_finite,)
-        )
-    else:
-        assignments(is_finite)
+    _control_flow.call_in_cross_replica_context(assignments, is_finite)
 
 
 def update_loss_scale(dynamic_loss_scale, is_finite):

@@ -7,10 +7,10 @@ import weakref
 import tensorflow as tf
 
 from accum_model import _keras
-from accum_model import _mixed_precision
 from accum_model import _normalizers
+from accum_model import _optimizer
 from accum_model._accumulator import GradientAccumulator
-from accum_model._accumulator import validate_accum_steps
+from accum_model._window import validate_accum_steps
 
 ADAPTER = _keras.ADAPTER
 keras = _keras.keras
@@ -263,19 +263,19 @@ class AccumModel(MultiWorkerFitWorkarounds, keras.Model):
 
         # Compute gradients, accumulate, apply once the window is full.
         logs = {}
-        if engine.variables_to_update:
-            grads = tape.gradient(objective, engine.variables_to_update)
-            is_finite = None
-            if scaling:
-                # Unscaled with the scale this micro-batch used, so a scale
-                # change mid-window is harmless.
-                grads, is_finite = _mixed_precision.unscale_and_check(
-                    grads,
-                    weight / scale,
-                    ADAPTER.dynamic_loss_scale(self.optimizer),
-                )
-            engine.accumulate_weighted(grads, weight, is_finite=is_finite)
-            engine.close_window_if_full(self._apply_gradients)
+        if engine._variables:
+            grads = tape.gradient(objective, engine._variables)
+            # Under loss scaling, unscaled with the scale this micro-batch
+            # used, so a scale change mid-window is harmless.
+            _optimizer.add_micro_batch(
+                engine,
+                grads,
+                weight,
+                self.optimizer,
+                weighted=True,
+                gradient_scale=scale if scaling else None,
+            )
+            engine._close_if_full(self._apply_gradients)
             if scaling:
                 logs["skipped_microbatches"] = ADAPTER.replica_log(
                     self, engine.skipped_steps
@@ -292,19 +292,20 @@ class AccumModel(MultiWorkerFitWorkarounds, keras.Model):
         return ADAPTER.logs_for_replica_reduction(self, metrics)
 
     def _apply_gradients(self, grads, variables):
-        ADAPTER.apply_gradients(self.optimizer, grads, variables)
+        _optimizer.apply_fn(self.optimizer)(grads, variables)
 
     def make_train_function(self, force=False):
         # Keras has built the model and the optimizer by now (fit's symbolic
         # build); create the accumulators here so that the train step never
         # creates variables and traces no more often than plain fit's.
-        if all(layer.built for layer in self._flatten_layers()):
+        layers = ADAPTER.layers(self, include_self=True)
+        if all(layer.built for layer in layers):
             self._accumulation.build()
         _warn_once_on_plain_batchnorm(self)
         # `fit` calls this on every call; the flush function (traced like the
         # train function, with the same optimizer and `run_eagerly`) is stale
         # only when the train function is rebuilt (after `compile`, or
-        # `force`). Clearing it on every call retraced it on every `fit`.
+        # `force`), so it is kept across `fit` calls otherwise.
         if force or self.train_function is None:
             self._flush_function = None
         return super().make_train_function(force=force)
@@ -326,7 +327,7 @@ class AccumModel(MultiWorkerFitWorkarounds, keras.Model):
         strategy = self.distribute_strategy
 
         def flush():
-            return engine.close_window_if(
+            return engine._close_if(
                 engine.micro_step > 0, self._apply_gradients
             )
 
@@ -412,7 +413,7 @@ class _AccumulationState(ADAPTER.saveable_base):
         model = self._model_ref()
         variables = list(model.trainable_variables)
         if self.engine is not None and _same_variables(
-            self.engine.variables_to_update, variables
+            self.engine._variables, variables
         ):
             # A `compile` since may have brought an unbuilt optimizer, whose
             # loss-scale variable the train step reads before applying.
@@ -442,7 +443,7 @@ class _AccumulationState(ADAPTER.saveable_base):
                     ADAPTER.build_optimizer(model.optimizer, variables)
                 # Eagerly and under the strategy, like the engine: layers
                 # create their window state here.
-                for layer in model._flatten_layers(include_self=False):
+                for layer in ADAPTER.layers(model):
                     attach = getattr(layer, "attach_to_accumulator", None)
                     if callable(attach):
                         attach(engine)
@@ -479,7 +480,7 @@ def _warn_once_on_plain_batchnorm(model):
     state = model._accumulation
     if state.warned_batchnorm or model.accum_steps <= 1:
         return
-    for layer in model._flatten_layers(include_self=False):
+    for layer in ADAPTER.layers(model):
         # A BatchNormalization subclass that takes the accumulator's hook
         # (`AccumBatchNormalization`) handles accumulation itself; a frozen
         # one runs in inference mode and updates nothing.

@@ -62,7 +62,7 @@ class _WindowDriver:
     def micro_step(self, layer, x, **kwargs):
         y = layer(x, training=True, **kwargs)
         self.engine.accumulate([tf.zeros(())], weight=1.0)
-        self.engine.close_window_if_full(_no_op_apply)
+        self.engine._close_if_full(_no_op_apply)
         return y
 
 

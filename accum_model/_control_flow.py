@@ -1,0 +1,126 @@
+"""Conditionals that stay correct inside `tf.distribute` and under XLA.
+
+A window closes inside a conditional whose branch all-reduces (the
+optimizer's apply does). Two things make the plain `tf.cond` wrong there:
+
+- inside `strategy.run` such a `tf.cond` fails ("merge_call called while
+  defining a new graph"), so the condition is taken in cross-replica context
+  and the branch runs back in each replica (the pattern of Keras'
+  `LossScaleOptimizer`);
+- XLA turns a conditional whose branches are elementwise, as an optimizer
+  update is, into a select of both, which would run the update on every
+  micro-batch. It never speculates a loop, so under XLA the branch runs in a
+  loop with a trip count of 0 or 1.
+
+This module knows TensorFlow only.
+"""
+
+import tensorflow as tf
+
+
+def in_replica_context_of_strategy():
+    """Whether the code being run is inside `strategy.run` of a strategy."""
+    return (
+        tf.distribute.has_strategy()
+        and not tf.distribute.in_cross_replica_context()
+    )
+
+
+def call_in_cross_replica_context(fn, *args):
+    """Calls `fn(*args)` once in cross-replica context.
+
+    In replica context (inside `strategy.run`), through `merge_call`: `args`
+    then arrive as per-replica values, and `fn` runs once for all replicas.
+    Elsewhere `fn(*args)` is called as it is.
+
+    Args:
+        fn: Callable. Under a strategy it receives the first replica's
+            value of each per-replica argument: call it only with values
+            that are equal on every replica.
+        *args: Its arguments.
+
+    Returns:
+        What `fn` returns.
+    """
+    if not in_replica_context_of_strategy():
+        return fn(*args)
+
+    def merge_fn(strategy, *merged):
+        return fn(*[first_replica(strategy, a) for a in merged])
+
+    return tf.distribute.get_replica_context().merge_call(
+        merge_fn, args=args
+    )
+
+
+def first_replica(strategy, value):
+    """The first replica's value of a (possibly per-replica) `value`."""
+    if isinstance(value, tf.distribute.DistributedValues):
+        return strategy.experimental_local_results(value)[0]
+    return value
+
+
+def _in_xla_context():
+    """Whether the graph being traced is compiled by XLA (`jit_compile`)."""
+    try:
+        from tensorflow.python.ops import control_flow_util
+    except ImportError:  # A TensorFlow without it: use `tf.cond`.
+        return False
+    return control_flow_util.GraphOrParentsInXlaContext(
+        tf.compat.v1.get_default_graph()
+    )
+
+
+def run_if(pred, fn):
+    """Runs `fn()` (no outputs) when the bool scalar `pred` holds.
+
+    Only the taken branch runs, also under XLA.
+    """
+    if _in_xla_context():
+
+        def body(i):
+            fn()
+            return i + 1
+
+        tf.while_loop(
+            lambda i: i < tf.cast(pred, tf.int32), body, [tf.constant(0)]
+        )
+        return
+
+    def branch():
+        fn()
+        return tf.constant(True)
+
+    tf.cond(pred, branch, lambda: tf.constant(False))
+
+
+def close_if(pred, apply_if, apply_fn, then):
+    """When `pred`: `apply_fn()` if `apply_if()`, then `then()`.
+
+    Safe when `apply_fn` all-reduces: under a strategy both conditions are
+    taken in cross-replica context, so they are equal on every replica, and
+    the functions run back in each replica. `apply_if` and `then` run only
+    when `pred` holds.
+
+    Args:
+        pred: Bool scalar tensor, equal on every replica.
+        apply_if: Callable returning a bool scalar tensor.
+        apply_fn: Callable without arguments or outputs.
+        then: Callable without arguments or outputs.
+    """
+
+    def close(in_replicas):
+        run_if(apply_if(), lambda: in_replicas(apply_fn))
+        in_replicas(then)
+
+    if not in_replica_context_of_strategy():
+        run_if(pred, lambda: close(lambda fn: fn()))
+        return
+
+    def merge_fn(strategy, pred):
+        run_if(
+            first_replica(strategy, pred),
+            lambda: close(strategy.extended.call_for_each_replica),
+        )
+
+    tf.distribute.get_replica_context().merge_call(merge_fn, args=(pred,))
