@@ -96,6 +96,54 @@ def _first_line(error):
     return f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"
 
 
+def _plain_model_class(keras, multi_worker):
+    """`keras.Model` with Keras' own train step, able to fit on this cluster.
+
+    Keras 3.15's `fit` fails under MultiWorkerMirroredStrategy on CPU for any
+    model, in two places; `AccumModel` works around both inside (see
+    docs/distributed.md). The plain model it is compared with gets the same
+    two fixes here, or plain fit would not run at all: build from this
+    worker's first shard instead of a batch averaged over workers, and give
+    scalar logs the leading axis Keras' cross-worker reduction needs. tf_keras
+    needs neither.
+    """
+    import tensorflow as tf
+
+    if not multi_worker or keras.Model.__module__.startswith("tf_keras"):
+        return keras.Model
+
+    def with_axis(logs):
+        return tf.nest.map_structure(
+            lambda v: tf.reshape(v, [1])
+            if isinstance(v, (tf.Tensor, tf.Variable)) and v.shape.rank == 0
+            else v,
+            logs)
+
+    class PlainModel(keras.Model):
+        def train_step(self, data):
+            return with_axis(super().train_step(data))
+
+        def test_step(self, data):
+            return with_axis(super().test_step(data))
+
+        def _maybe_symbolic_build(self, iterator=None, data_batch=None):
+            # Keras' own hook; building needs only shapes and dtypes.
+            if iterator is not None:
+                for _, _, it in iterator:
+                    local = self.distribute_strategy.experimental_local_results
+                    data_batch = tf.nest.map_structure(
+                        lambda v: local(v)[0]
+                        if isinstance(v, tf.distribute.DistributedValues)
+                        else v,
+                        next(it))
+                    iterator = None
+                    break
+            return super()._maybe_symbolic_build(
+                iterator=iterator, data_batch=data_batch)
+
+    return PlainModel
+
+
 def _run_worker():
     import numpy as np
     import tensorflow as tf
@@ -106,10 +154,12 @@ def _run_worker():
     strategy = tf.distribute.MultiWorkerMirroredStrategy()
 
     from accum_model import AccumModel
-    from accum_model._keras import LEGACY
-    from accum_model._keras import keras
-    from accum_model._model import MultiWorkerFitWorkarounds
     from tests import allreduce_counter
+
+    keras = tf.keras
+    # Keras 3's optimizers have `gradient_accumulation_steps`; tf_keras'
+    # (TF_USE_LEGACY_KERAS=1) do not.
+    builtin = not keras.Model.__module__.startswith("tf_keras")
 
     allreduce_counter.install()
     replicas = strategy.num_replicas_in_sync
@@ -119,11 +169,7 @@ def _run_worker():
     x = rng.normal(size=(samples, _INPUT.value)).astype("float32")
     y = rng.normal(size=(samples, 10)).astype("float32")
 
-    class PlainModel(MultiWorkerFitWorkarounds, keras.Model):
-        # Keras' own train_step; only AccumModel's workarounds for Keras
-        # 3.15's fit under MultiWorkerMirroredStrategy, without which plain
-        # fit does not run there at all.
-        pass
+    PlainModel = _plain_model_class(keras, multi_worker=_WORKERS.value > 1)
 
     def build(cls, **kwargs):
         keras.utils.set_random_seed(0)
@@ -150,7 +196,7 @@ def _run_worker():
          lambda n=n: build(AccumModel, accum_steps=int(n)), {})
         for n in _ACCUM.value
     ]
-    if not LEGACY:
+    if builtin:
         configs += [
             (f"Keras built-in N={n}", int(n), lambda: build(PlainModel),
              {"gradient_accumulation_steps": int(n)})

@@ -1,7 +1,8 @@
-"""Does accumulation cost anything? Five ways to train, timed side by side.
+"""Does accumulation cost anything? Six models trained side by side.
 
 For each workload and optimizer, in one process, this builds six models
-with the same weights and times `fit` on the same data (made here):
+(five under tf_keras, which has no `builtin`) with the same weights and
+times `fit` on the same data (made here):
 
   plain_B    plain `keras.Model.fit` at micro-batch B
   accum      `AccumModel(accum_steps=N)` at micro-batch B
@@ -38,7 +39,7 @@ here; the JSON also has min, max and every repeat's ratio.
 It also reports the accumulator's memory (every state variable of the
 engine, in bytes, against the bytes of the trainable weights), the number of
 Python traces of `train_step` for `accum` and `plain_B` over all the `fit`
-calls made here, and the traces of `AccumModel`'s epoch-end flush.
+calls made here.
 
     python benchmarks/bench_fit.py                  # ~8 min on 2 CPU cores
     python benchmarks/bench_fit.py --quick          # smoke run, seconds
@@ -48,6 +49,7 @@ Uses a GPU when TensorFlow sees one (Keras then compiles with XLA by
 default; `--jit_compile` overrides it).
 """
 
+import importlib.metadata
 import json
 import math
 import os
@@ -62,10 +64,10 @@ import tensorflow as tf
 
 import accum_model
 from accum_model import AccumModel
-from accum_model import _normalizers
-from accum_model._keras import ADAPTER
-from accum_model._keras import LEGACY
-from accum_model._keras import keras
+
+keras = tf.keras
+# `tf.keras` is tf_keras (Keras 2) when TF_USE_LEGACY_KERAS=1 was set.
+LEGACY = keras.Model.__module__.startswith("tf_keras")
 
 CONTENDERS = ("plain_B", "accum", "builtin", "plain_NB", "floor",
               "accum_again")
@@ -210,6 +212,23 @@ def _counting(base):
     return Counting
 
 
+def _tracked_loss(model, x, y, y_pred, sample_weight):
+    """The loss of plain fit's step, logged as plain fit logs it.
+
+    Keras 3's `compute_loss` only computes; `fit` adds it to the "loss"
+    metric weighted by the batch size, so the logged loss is a per-sample
+    mean. tf_keras' `compute_loss` updates that metric itself.
+    """
+    if LEGACY:
+        return model.compute_loss(x, y, y_pred, sample_weight)
+    loss = model.compute_loss(x=x, y=y, y_pred=y_pred,
+                              sample_weight=sample_weight, training=True)
+    batch = tf.shape(tf.nest.flatten(x)[0])[0]
+    tracker = next(m for m in model.metrics if m.name == "loss")
+    tracker.update_state(loss, sample_weight=batch)
+    return loss
+
+
 def _floor_class():
     class Floor(keras.Model):
         """Forward and backward at micro-batch B; the gradients are dropped.
@@ -230,11 +249,10 @@ def _floor_class():
 
         def train_step(self, data):
             type(self).traces += 1
-            x, y, sample_weight = ADAPTER.unpack(data)
+            x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
             with tf.GradientTape() as tape:
-                y_pred = ADAPTER.forward(self, x)
-                loss = ADAPTER.compute_loss(self, x, y, y_pred, sample_weight)
-                ADAPTER.track_loss(self, loss, _normalizers.batch_size(x, y))
+                y_pred = self(x, training=True)
+                loss = _tracked_loss(self, x, y, y_pred, sample_weight)
             grads = tape.gradient(loss, self.trainable_variables)
             picks = []
             for g in grads:
@@ -246,8 +264,8 @@ def _floor_class():
                     picks.append(tf.reduce_sum(tf.cast(g, tf.float32)))
                 else:
                     picks.append(tf.cast(tf.reshape(g, [-1])[0], tf.float32))
-            logs = dict(ADAPTER.compute_metrics(self, x, y, y_pred,
-                                                sample_weight))
+            logs = dict(self.compute_metrics(x, y, y_pred,
+                                             sample_weight=sample_weight))
             logs["gradient_checksum"] = tf.add_n(picks)
             return logs
 
@@ -438,10 +456,6 @@ def run_one(workload, optimizer, micro, n, repeats, seconds, quick,
         "traces": {
             "accum": type(accum).traces,
             "plain_B": type(by_name["plain_B"].model).traces,
-            "accum_epoch_end_flush": (
-                accum._flush_function.experimental_get_tracing_count()
-                if hasattr(accum._flush_function,
-                           "experimental_get_tracing_count") else 0),
             "fit_calls": {"accum": by_name["accum"].fit_calls,
                           "plain_B": by_name["plain_B"].fit_calls},
         },
@@ -481,8 +495,8 @@ def machine_info():
         "cpu_count": os.cpu_count(),
         "gpus": names,
         "tensorflow": tf.__version__,
-        "keras": keras.__version__ if hasattr(keras, "__version__") else "",
-        "keras_generation": ADAPTER.generation,
+        "keras": importlib.metadata.version("tf_keras" if LEGACY else "keras"),
+        "keras_generation": 2 if LEGACY else 3,
         "accum_model": getattr(accum_model, "__version__", ""),
     }
 

@@ -18,9 +18,11 @@ import json
 from absl import app
 from absl import flags
 import numpy as np
+import tensorflow as tf
 
 from accum_model import AccumModel
-from accum_model._keras import keras
+
+keras = tf.keras
 
 _JSON = flags.DEFINE_string("json", None, "Also write the results here.")
 

@@ -83,7 +83,10 @@ def main(argv):
     import tensorflow as tf
 
     from accum_model import AccumModel
-    from accum_model._keras import LEGACY
+
+    # Keras 3's optimizers have `gradient_accumulation_steps`; tf_keras'
+    # (TF_USE_LEGACY_KERAS=1) do not.
+    builtin = not tf.keras.Model.__module__.startswith("tf_keras")
 
     class NaiveAccumModel(AccumModel):
         """Weights each micro-batch by its sample count (the bug)."""
@@ -105,7 +108,7 @@ def main(argv):
          build(NaiveAccumModel, *args, accum_steps=steps),
          tf.keras.optimizers.SGD(1.0)),
     ]
-    if not LEGACY:
+    if builtin:
         runs.append((
             "Keras built-in", build(tf.keras.Model, *args),
             tf.keras.optimizers.SGD(1.0, gradient_accumulation_steps=steps),

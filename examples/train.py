@@ -1,6 +1,6 @@
 """Small batch, small batch with accumulation, and the large batch, side by side.
 
-Trains the same classifier from the same initial weights three ways on data
+Trains the same classifier from the same initial weights four ways on data
 made here (no downloads):
 
   small      plain `tf.keras.Model`, batch `--batch_size`
@@ -64,9 +64,7 @@ def make_data(samples, seed):
 def build(model_cls, width, seed, **kwargs):
     import tensorflow as tf
 
-    from accum_model._keras import keras
-
-    del tf
+    keras = tf.keras
     keras.utils.set_random_seed(seed)
     inputs = keras.Input((_FEATURES,))
     h = keras.layers.Dense(width, activation="relu")(inputs)
@@ -82,8 +80,8 @@ def run_one(run, config, queue):
     import tensorflow as tf
 
     from accum_model import AccumModel
-    from accum_model._keras import keras
 
+    keras = tf.keras
     (x, y), (xv, yv) = make_data(config["samples"], config["seed"])
     steps = config["accum_steps"]
     if run == "accum":
@@ -122,7 +120,7 @@ def run_one(run, config, queue):
 
 def compare(accum_steps, batch_size, epochs, samples, width, optimizer, seed,
             verbose=False):
-    """Runs the three configurations, each in its own process.
+    """Runs the four configurations, each in its own process.
 
     Returns:
         A dict run -> {"weights", "history", "updates", "peak_bytes",
@@ -202,7 +200,7 @@ def report(results, accum_steps, batch_size):
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError("Too many command-line arguments.")
-    print(f"Training 3 ways for {_EPOCHS.value} epochs on {_SAMPLES.value} "
+    print(f"Training {len(_RUNS)} ways for {_EPOCHS.value} epochs on {_SAMPLES.value} "
           "synthetic samples (each run in its own process)...", flush=True)
     results = compare(_ACCUM_STEPS.value, _BATCH_SIZE.value, _EPOCHS.value,
                       _SAMPLES.value, _WIDTH.value, _OPTIMIZER.value,

@@ -491,13 +491,15 @@ class BatchnormWarningTest(tf.test.TestCase, parameterized.TestCase):
         self.assertEmpty(self._fit_twice(bn_cls, accum_steps, frozen))
 
 
-def test_exports():
-    assert "AccumBatchNormalization" in accum_model.__all__
-    assert "replace_batchnorm" in accum_model.__all__
-    assert (
-        keras.saving.get_registered_name(AccumBatchNormalization)
-        == "accum_model>AccumBatchNormalization"
-    )
+class ExportsTest(tf.test.TestCase):
+    def test_public_and_registered_for_loading(self):
+        self.assertIn("AccumBatchNormalization", accum_model.__all__)
+        self.assertIn("replace_batchnorm", accum_model.__all__)
+        # `load_model` finds the layer by this name, without custom_objects.
+        self.assertEqual(
+            keras.saving.get_registered_name(AccumBatchNormalization),
+            "accum_model>AccumBatchNormalization",
+        )
 
 
 class LegacyKerasTest(tf.test.TestCase):

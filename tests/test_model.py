@@ -2,7 +2,6 @@
 
 import os
 import re
-import tempfile
 from unittest import mock
 
 import numpy as np
