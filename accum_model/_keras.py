@@ -15,6 +15,10 @@ them fails on at once (not silently):
   `_update_renorm_statistics` (Keras 3), used by `AccumBatchNormalization`
   in `_batchnorm.py`, which replaces only the moving-statistics update of
   `BatchNormalization.call`.
+
+Releases older than `MIN_KERAS` (or `MIN_TF_KERAS`, `MIN_TENSORFLOW`) lack
+some of these; importing the package there raises one `ImportError` naming
+what was found and what is needed (`check_versions`).
 """
 
 import re
