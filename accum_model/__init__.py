@@ -4,11 +4,15 @@ from accum_model._accumulator import GradientAccumulator
 from accum_model._batchnorm import AccumBatchNormalization
 from accum_model._batchnorm import replace_batchnorm
 from accum_model._model import AccumModel
+from accum_model._noise_scale import NoiseScale
+from accum_model._warmup import AccumStepsWarmup
 
 __all__ = [
     "AccumBatchNormalization",
     "AccumModel",
+    "AccumStepsWarmup",
     "GradientAccumulator",
+    "NoiseScale",
     "replace_batchnorm",
 ]
 __version__ = "0.1.0"

@@ -44,10 +44,15 @@ class GradientAccumulator(Window):
         variables: List of variables whose gradients are accumulated, in the
             order `grads` will be given.
         accum_steps: Int >= 1. Micro-batches per update in `step()`.
+        noise_scale: `False` (default), `True` or an
+            `accum_model.NoiseScale(every=..., beta=...)`: measure the
+            gradient noise scale of the windows, read from the
+            `noise_scale` property (see docs/noise_scale.md).
         name: Optional name of the module.
 
     Raises:
         ValueError: If `accum_steps` is not an integer >= 1.
+        TypeError: If `noise_scale` is not a bool, a `NoiseScale` or a dict.
     """
 
     def accumulate(self, grads, weight=1.0, is_finite=None):

@@ -7,6 +7,7 @@ import weakref
 import tensorflow as tf
 
 from accum_model import _keras
+from accum_model import _noise_scale
 from accum_model import _normalizers
 from accum_model import _optimizer
 from accum_model._accumulator import GradientAccumulator
@@ -100,17 +101,25 @@ class AccumModel(MultiWorkerFitWorkarounds, keras.Model):
             of every epoch, before validation and the `on_epoch_end`
             callbacks, so they see the epoch's final weights. `"carry"` keeps
             the window open into the next epoch (Keras' built-in behaviour).
+        noise_scale: `False` (default), `True` or an
+            `accum_model.NoiseScale(every=..., beta=...)`: measure the
+            gradient noise scale `B_simple` of the windows and log it as
+            `logs["gradient_noise_scale"]` (see docs/noise_scale.md). Off,
+            the training step is unchanged.
         **kwargs: Passed to `tf.keras.Model` (e.g. `name`).
 
     Raises:
         ValueError: If `accum_steps` is not an integer >= 1, if `epoch_end` is
             not a known mode, or if Keras does not run on TensorFlow.
+        TypeError: If `noise_scale` is not one of the above.
     """
 
-    def __init__(self, *args, accum_steps=1, epoch_end="apply", **kwargs):
+    def __init__(self, *args, accum_steps=1, epoch_end="apply",
+                 noise_scale=False, **kwargs):
         ADAPTER.check_backend()
         accum_steps = validate_accum_steps(accum_steps)
         epoch_end = validate_epoch_end(epoch_end)
+        noise_scale = _noise_scale.as_config(noise_scale)
         if ADAPTER.is_functional_call(args, kwargs):
             self.__class__ = ADAPTER.functional_variant(type(self))
             ADAPTER.init_functional(self, args, kwargs)
@@ -119,6 +128,7 @@ class AccumModel(MultiWorkerFitWorkarounds, keras.Model):
             super().__init__(*args, **kwargs)
         self._accum_steps = accum_steps
         self._epoch_end = epoch_end
+        self._noise_scale = noise_scale
         self._accumulation = _AccumulationState(self)
         self._flush_function = None
 
@@ -147,6 +157,41 @@ class AccumModel(MultiWorkerFitWorkarounds, keras.Model):
         self._epoch_end = validate_epoch_end(value)
 
     @property
+    def noise_scale(self):
+        """The `NoiseScale` measured, or None (off).
+
+        Settable before the first training step only (the measurement is
+        part of the compiled step).
+        """
+        return self._noise_scale
+
+    @noise_scale.setter
+    def noise_scale(self, value):
+        value = _noise_scale.as_config(value)
+        if (
+            value != self._noise_scale
+            and self._accumulation.engine is not None
+        ):
+            raise ValueError(
+                "`noise_scale` can only be set before the model is trained "
+                "(it is part of the compiled training step). Received: "
+                f"noise_scale={value!r} after training started"
+            )
+        self._noise_scale = value
+
+    @property
+    def gradient_noise_scale(self):
+        """Float: the measured `B_simple`, in the loss normalizer's unit.
+
+        NaN before a window gave an estimate, None when `noise_scale` is
+        off. The engine's `noise_scale` has the parts.
+        """
+        engine = self._accumulation.engine
+        if engine is None or engine.noise_scale is None:
+            return None if self._noise_scale is None else float("nan")
+        return float(engine.noise_scale.b_simple)
+
+    @property
     def gradient_accumulator(self):
         """The `GradientAccumulator` holding the window (None before fit)."""
         return self._accumulation.engine
@@ -157,6 +202,8 @@ class AccumModel(MultiWorkerFitWorkarounds, keras.Model):
         else:
             config = super().get_config()
         config.update(accum_steps=self.accum_steps, epoch_end=self.epoch_end)
+        if self._noise_scale is not None:
+            config["noise_scale"] = self._noise_scale.get_config()
         return config
 
     @classmethod
@@ -164,7 +211,10 @@ class AccumModel(MultiWorkerFitWorkarounds, keras.Model):
         config = dict(config)
         accum_steps = config.pop("accum_steps", None)
         epoch_end = config.pop("epoch_end", None)
+        noise_scale = config.pop("noise_scale", None)
         model = super().from_config(config, custom_objects=custom_objects)
+        if noise_scale is not None:
+            model.noise_scale = noise_scale
         if accum_steps is not None:
             model.accum_steps = accum_steps
         if epoch_end is not None:
@@ -276,6 +326,10 @@ class AccumModel(MultiWorkerFitWorkarounds, keras.Model):
                 gradient_scale=scale if scaling else None,
             )
             engine._close_if_full(self._apply_gradients)
+            if engine.noise_scale is not None:
+                logs["gradient_noise_scale"] = ADAPTER.replica_log(
+                    self, engine.noise_scale.b_simple
+                )
             if scaling:
                 logs["skipped_microbatches"] = ADAPTER.replica_log(
                     self, engine.skipped_steps
@@ -437,6 +491,7 @@ class _AccumulationState(ADAPTER.saveable_base):
                 engine = GradientAccumulator(
                     variables,
                     accum_steps=model.accum_steps,
+                    noise_scale=model.noise_scale,
                     name="accumulation",
                 )
                 if model.optimizer is not None and variables:

@@ -22,6 +22,7 @@ import numpy as np
 import tensorflow as tf
 
 from accum_model import _control_flow
+from accum_model import _noise_scale
 
 _ON_READ = tf.VariableSynchronization.ON_READ
 _SUM = tf.VariableAggregation.SUM
@@ -62,14 +63,20 @@ class Window(tf.Module):
         variables: List of variables whose gradients are accumulated, in the
             order gradients will be given.
         accum_steps: Int >= 1. Micro-batches per window.
+        noise_scale: `False` (default), `True` or an
+            `accum_model.NoiseScale`: also measure the gradient noise scale
+            of the windows (`_noise_scale`). Off, no op is added.
         name: Optional name of the module.
 
     Raises:
         ValueError: If `accum_steps` is not an integer >= 1.
+        TypeError: If `noise_scale` is not one of the above.
     """
 
-    def __init__(self, variables, accum_steps=1, name=None):
+    def __init__(self, variables, accum_steps=1, noise_scale=False,
+                 name=None):
         accum_steps = validate_accum_steps(accum_steps)
+        noise_scale = _noise_scale.as_config(noise_scale)
         variables = list(variables)
         super().__init__(name=name or "gradient_accumulator")
         self._variables = variables
@@ -113,6 +120,12 @@ class Window(tf.Module):
                 )
                 for v in variables
             ]
+        self._noise_scale = None
+        if noise_scale is not None:
+            with tf.init_scope():
+                self._noise_scale = _noise_scale.NoiseScaleEstimator(
+                    noise_scale
+                )
 
     def _counter(self, name, initial=0):
         return tf.Variable(
@@ -154,9 +167,21 @@ class Window(tf.Module):
         """Int64 tensor. Micro-batches left out for non-finite gradients."""
         return self._skipped.read_value()
 
+    @property
+    def noise_scale(self):
+        """The gradient noise scale measurement, or None when off.
+
+        Its tensors `b_simple` (`tr(Sigma) / |G|^2`, in the unit of the
+        weights), `trace_sigma` and `grad_sq_norm` (smoothed over measured
+        windows), `micro_batch_weight`, `window_weight`, the last window's
+        `last_trace_sigma` and `last_grad_sq_norm`, and the int
+        `measurements`. See docs/noise_scale.md.
+        """
+        return self._noise_scale
+
     def reset(self):
         """Discards the open window without applying it."""
-        self._reset_window()
+        self._reset_window(closed=False)
         for v in self._hook_state:
             v.assign(tf.zeros_like(v))
 
@@ -173,7 +198,10 @@ class Window(tf.Module):
             self._contributed,
             self._skipped,
             self._weight_sum,
-        ] + self._accumulators + self._hook_state
+        ] + self._accumulators + self._hook_state + (
+            [] if self._noise_scale is None
+            else self._noise_scale.state_variables
+        )
 
     # For the package's front ends (`GradientAccumulator`, `AccumModel`) and
     # the layers that keep a window of their own (`AccumBatchNormalization`).
@@ -226,17 +254,19 @@ class Window(tf.Module):
         # left, so no pass is spent zeroing the accumulators; one `tf.cond`
         # for all variables keeps it one op per step.
         first = tf.equal(self._contributed, 0)
-        dense, sparse, absent = [], [], []
+        dense, sparse, absent, measured = [], [], [], []
         for acc, g in zip(self._accumulators, grads):
             if g is None:
                 absent.append(acc)
             elif isinstance(g, tf.IndexedSlices):
                 values = tf.cast(g.values, tf.float32)
+                measured.append(tf.IndexedSlices(values, g.indices))
                 if not weighted:
                     values = values * weight
                 sparse.append((acc, tf.IndexedSlices(values, g.indices)))
             else:
                 g = tf.cast(g, tf.float32)
+                measured.append(g)
                 dense.append((acc, g if weighted else g * weight))
 
         def overwrite():
@@ -257,6 +287,12 @@ class Window(tf.Module):
                 acc.scatter_add(g)
             self._weight_sum.assign_add(weight)
             self._contributed.assign_add(1)
+            if self._noise_scale is not None:
+                # Float32, unscaled, before any clipping; only what joins
+                # the window (a skipped micro-batch never gets here).
+                self._noise_scale.add(
+                    measured, weight, weighted, _control_flow.run_if
+                )
             return tf.constant(True)
 
         if is_finite is None:
@@ -303,10 +339,27 @@ class Window(tf.Module):
         # In replica context. The weight sum is global: replicas may hold
         # unequal (even empty) shards of a global batch.
         weight_sum = self._weight_sum.read_value()
+        noise = self._noise_scale
+        if noise is not None:
+            # Before the update, from this replica's window.
+            statistics = noise.statistics(self._accumulators, weight_sum)
+        replicas = 1
         if tf.distribute.has_strategy():
-            weight_sum = tf.distribute.get_replica_context().all_reduce(
-                tf.distribute.ReduceOp.SUM, weight_sum
-            )
+            context = tf.distribute.get_replica_context()
+            replicas = context.num_replicas_in_sync
+            if noise is None:
+                weight_sum = context.all_reduce(
+                    tf.distribute.ReduceOp.SUM, weight_sum
+                )
+            else:
+                # The estimate's scalars ride the weight sum's all-reduce.
+                summed = context.all_reduce(
+                    tf.distribute.ReduceOp.SUM,
+                    tf.concat([weight_sum[None], statistics], 0),
+                )
+                weight_sum, statistics = summed[0], summed[1:]
+        if noise is not None:
+            noise.update(statistics, weight_sum, replicas)
         # One multiply per element; a zero weight sum (all samples weighted
         # 0) gives a zero gradient, as the large batch's zero loss would.
         inverse = tf.math.divide_no_nan(1.0, weight_sum)
@@ -320,10 +373,12 @@ class Window(tf.Module):
         for hook in self._on_apply:
             hook()
 
-    def _reset_window(self):
+    def _reset_window(self, closed=True):
         # The next window's length is latched here, when the last one ends,
         # rather than tested on every micro-batch.
         self._window_steps.assign(self._accum_steps.read_value())
         for v in [self._micro_step, self._contributed]:
             v.assign(tf.zeros_like(v))
         self._weight_sum.assign(0.0)
+        if self._noise_scale is not None:
+            self._noise_scale.reset_window(closed)

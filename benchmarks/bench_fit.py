@@ -36,6 +36,11 @@ from order statistics: with 12 repeats the 3rd smallest and 3rd largest
 ratio, 96%). A ratio whose interval holds 1 is not distinguishable from 1
 here; the JSON also has min, max and every repeat's ratio.
 
+With `--noise_scale_every=1,8` it adds a contender per value k,
+`accum_gns_k<k>`: `AccumModel(accum_steps=N, noise_scale=NoiseScale(every=k))`,
+the gradient noise scale measured every k-th window, and the ratio
+accum_gns_k<k> / accum (its own table, `--contenders` keeps a run short).
+
 It also reports the accumulator's memory (every state variable of the
 engine, in bytes, against the bytes of the trainable weights), the number of
 Python traces of `train_step` for `accum` and `plain_B` over all the `fit`
@@ -111,6 +116,14 @@ _QUICK = flags.DEFINE_bool(
     "Tiny models, one repeat, a few steps: checks the program, times "
     "nothing worth reading.")
 _JSON = flags.DEFINE_string("json", None, "Also write the results here.")
+_NOISE_SCALE_EVERY = flags.DEFINE_list(
+    "noise_scale_every", [],
+    "For each k, a contender accum_gns_k<k> measuring the gradient noise "
+    "scale every k-th window.")
+_CONTENDERS = flags.DEFINE_list(
+    "contenders", [],
+    f"Only these of {CONTENDERS} (plus the accum_gns ones; accum is always "
+    "run). Default: all.")
 
 
 # Workloads. Each returns (inputs, outputs, x, y): a functional graph built
@@ -315,15 +328,27 @@ class _Contender:
         return tuple(b - a for a, b in zip(self.timer.start, self.timer.end))
 
 
-def _build_contenders(workload, optimizer, micro, n, quick, samples):
-    builder = _BUILDERS[workload]
+def _contender_names(only=(), noise_scale_every=()):
     names = [c for c in CONTENDERS if not (c == "builtin" and LEGACY)]
+    if only:
+        names = [c for c in names if c in only or c == "accum"]
+    return names + [f"accum_gns_k{int(k)}" for k in noise_scale_every]
+
+
+def _build_contenders(workload, optimizer, micro, n, quick, samples,
+                      only=(), noise_scale_every=()):
+    builder = _BUILDERS[workload]
     contenders = []
-    for name in names:
+    for name in _contender_names(only, noise_scale_every):
         keras.utils.set_random_seed(0)
         inputs, outputs, x, y = builder(quick, samples)
         if name in ("accum", "accum_again"):
             cls, kwargs = _counting(AccumModel), {"accum_steps": n}
+        elif name.startswith("accum_gns_k"):
+            every = int(name[len("accum_gns_k"):])
+            cls, kwargs = _counting(AccumModel), {
+                "accum_steps": n,
+                "noise_scale": accum_model.NoiseScale(every=every)}
         elif name == "floor":
             cls, kwargs = _floor_class(), {}
         else:
@@ -391,11 +416,11 @@ def _state_bytes(variables):
 
 
 def run_one(workload, optimizer, micro, n, repeats, seconds, quick,
-            clock="wall"):
+            clock="wall", only=(), noise_scale_every=()):
     """Times the contenders on one workload; returns a result dict."""
     samples = max(8 * micro * n, 512 if not quick else 0)
     contenders = _build_contenders(workload, optimizer, micro, n, quick,
-                                   samples)
+                                   samples, only, noise_scale_every)
     by_name = {c.name: c for c in contenders}
 
     def micro_steps(c, steps):
@@ -408,7 +433,8 @@ def run_one(workload, optimizer, micro, n, repeats, seconds, quick,
     for c in contenders:
         c.model._bench_xla = _uses_xla(c.model)
         c.fit(micro_steps(c, 2 * n))
-    step_time = by_name["plain_B"].fit(2 * n)[0] / (2 * n)
+    base = by_name["plain_B" if "plain_B" in by_name else "accum"]
+    step_time = base.fit(2 * n)[0] / (2 * n)
     if quick:
         steps = n
     else:
@@ -448,6 +474,7 @@ def run_one(workload, optimizer, micro, n, repeats, seconds, quick,
         "samples_per_second_other_clock": cpu_rates,
         "median_samples_per_second": {
             k: statistics.median(v) for k, v in rates.items()},
+        "noise_scale": {},
         "ratios": {},
         "memory": {
             "trainable_parameter_bytes": params,
@@ -455,9 +482,9 @@ def run_one(workload, optimizer, micro, n, repeats, seconds, quick,
         },
         "traces": {
             "accum": type(accum).traces,
-            "plain_B": type(by_name["plain_B"].model).traces,
-            "fit_calls": {"accum": by_name["accum"].fit_calls,
-                          "plain_B": by_name["plain_B"].fit_calls},
+            "plain_B": (type(by_name["plain_B"].model).traces
+                        if "plain_B" in by_name else None),
+            "fit_calls": {c.name: c.fit_calls for c in contenders},
         },
     }
     result["memory"]["accumulator_over_parameters"] = (
@@ -467,12 +494,11 @@ def run_one(workload, optimizer, micro, n, repeats, seconds, quick,
         builtin_vars = getattr(optimizer_obj, "_accumulated_gradients", [])
         result["memory"]["builtin_accumulator_bytes"] = _state_bytes(
             builtin_vars)
-    for reference in REFERENCES:
-        if reference not in rates:
-            continue
-        per_repeat = [a / b for a, b in zip(rates["accum"], rates[reference])]
+    def ratio(numerator, denominator):
+        per_repeat = [a / b for a, b in zip(rates[numerator],
+                                            rates[denominator])]
         low, high, coverage = median_interval(per_repeat)
-        result["ratios"][f"accum/{reference}"] = {
+        return {
             "median": statistics.median(per_repeat),
             "interval": [low, high],
             "interval_coverage": coverage,
@@ -480,6 +506,20 @@ def run_one(workload, optimizer, micro, n, repeats, seconds, quick,
             "max": max(per_repeat),
             "per_repeat": per_repeat,
         }
+
+    for reference in REFERENCES:
+        if reference in rates:
+            result["ratios"][f"accum/{reference}"] = ratio("accum",
+                                                            reference)
+    for c in contenders:
+        if c.name.startswith("accum_gns_k"):
+            estimator = c.model.gradient_accumulator.noise_scale
+            result["noise_scale"][c.name] = {
+                "ratio_to_accum": ratio(c.name, "accum"),
+                "measurements": estimator.measurements,
+                "b_simple": float(estimator.b_simple),
+                "state_bytes": _state_bytes(estimator.state_variables),
+            }
     return result
 
 
@@ -534,6 +574,20 @@ def format_table(results):
     return "\n".join(lines)
 
 
+def format_noise_table(results):
+    """The noise-scale contenders' rates over accum's, as Markdown."""
+    lines = ["| workload | optimizer | contender | samples/s accum | "
+             "gns / accum | A/A: accum / accum_again |", "|---" * 6 + "|"]
+    for r in results:
+        for name, v in r["noise_scale"].items():
+            lines.append(
+                f"| {r['workload']} | {r['optimizer']} | {name} | "
+                f"{r['median_samples_per_second']['accum']:.0f} | "
+                f"{_fmt_ratio(v['ratio_to_accum'])} | "
+                f"{_fmt_ratio(r['ratios'].get('accum/accum_again'))} |")
+    return "\n".join(lines)
+
+
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError("Too many command-line arguments.")
@@ -545,6 +599,16 @@ def main(argv):
             raise app.UsageError(
                 f"`--{name}` must be a list of {known}. "
                 f"Received: {name}={values!r}")
+    unknown = [c for c in _CONTENDERS.value if c not in CONTENDERS]
+    if unknown:
+        raise app.UsageError(
+            f"`--contenders` must be a list of {CONTENDERS}. "
+            f"Received: contenders={_CONTENDERS.value!r}")
+    if not all(k.isdigit() and int(k) >= 1
+               for k in _NOISE_SCALE_EVERY.value):
+        raise app.UsageError(
+            "`--noise_scale_every` must be a list of integers >= 1. "
+            f"Received: noise_scale_every={_NOISE_SCALE_EVERY.value!r}")
     # Each model's flush is its own tf.function, traced once; TensorFlow's
     # retracing warning counts them together across the models built here.
     tf.get_logger().setLevel("ERROR")
@@ -557,7 +621,8 @@ def main(argv):
     for workload in _WORKLOADS.value:
         for optimizer in _OPTIMIZERS.value:
             result = run_one(workload, optimizer, micro, n, repeats,
-                             _SECONDS.value, quick, _CLOCK.value)
+                             _SECONDS.value, quick, _CLOCK.value,
+                             _CONTENDERS.value, _NOISE_SCALE_EVERY.value)
             results.append(result)
             print(f"{workload} {optimizer}: "
                   + ", ".join(f"{k} {_fmt_ratio(v)}"
@@ -565,8 +630,12 @@ def main(argv):
                   flush=True)
     info = machine_info()
     print()
-    print(format_table(results))
-    print()
+    if "plain_B" in results[0]["median_samples_per_second"]:
+        print(format_table(results))
+        print()
+    if _NOISE_SCALE_EVERY.value:
+        print(format_noise_table(results))
+        print()
     device = ", ".join(info["gpus"]) or f"CPU ({info['cpu_count']} cores)"
     print(f"B={micro}, N={n}, {repeats} interleaved repeats; ratios of "
           f"samples per {_CLOCK.value} second, median [its "
@@ -583,7 +652,8 @@ def main(argv):
                                  "jit_compile": _JIT_COMPILE.value,
                                  "clock": _CLOCK.value,
                                  "quick": quick},
-                       "contenders": list(CONTENDERS),
+                       "contenders": _contender_names(
+                           _CONTENDERS.value, _NOISE_SCALE_EVERY.value),
                        "results": results}, f, indent=2)
 
 

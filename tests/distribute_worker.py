@@ -287,6 +287,62 @@ def _loop_case(strategy, case):
     }
 
 
+def _noise_scale_case(strategy, case):
+    """AccumModel(noise_scale=True) at frozen weights on the exact problem.
+
+    Reports each window's raw estimates (tests/noise_scale_problem.py has
+    the population values they must average to).
+    """
+    from accum_model import AccumModel
+    from accum_model._keras import keras
+    from tests import allreduce_counter
+    from tests import noise_scale_problem as problem
+
+    replicas = strategy.num_replicas_in_sync
+    micro = case["micro"] * replicas
+    sizes = (micro,) * case["steps"]
+    x, y = problem.data()
+    xs, ys, _ = problem.window_data(x, y, sizes, case["windows"])
+    kernel, bias = problem.frozen_weights()
+    with strategy.scope():
+        inputs = keras.Input((problem.IN_DIM,))
+        outputs = keras.layers.Dense(1)(inputs)
+        model = AccumModel(inputs=inputs, outputs=outputs,
+                           accum_steps=case["steps"], noise_scale=True)
+        model.set_weights([kernel, bias])
+        model.compile(keras.optimizers.SGD(learning_rate=0.0), "mse")
+    trace, grad_sq = [], []
+
+    class Recorder(keras.callbacks.Callback):
+        seen = 0
+
+        def on_train_batch_end(self, batch, logs=None):
+            estimator = self.model.gradient_accumulator.noise_scale
+            if estimator.measurements != Recorder.seen:
+                Recorder.seen = estimator.measurements
+                trace.append(float(estimator.last_trace_sigma))
+                grad_sq.append(float(estimator.last_grad_sq_norm))
+
+    allreduce_counter.reset()
+    history = model.fit(xs, ys, batch_size=micro, epochs=1, shuffle=False,
+                        verbose=0, callbacks=[Recorder()])
+    estimator = model.gradient_accumulator.noise_scale
+    return {
+        "replicas": replicas,
+        "trace": trace,
+        "grad_sq": grad_sq,
+        "micro_batch_weight": float(estimator.micro_batch_weight),
+        "logged": [float(v) for v in history.history["gradient_noise_scale"]],
+        "b_simple": float(estimator.b_simple),
+        "iterations": int(model.optimizer.iterations.numpy()),
+        "allreduces": allreduce_counter.records(),
+        "num_variables": len(model.trainable_variables),
+    }
+
+
+_KINDS = {"loop": _loop_case, "noise_scale": _noise_scale_case}
+
+
 def main(argv):
     from accum_model._keras import keras
     config = getattr(keras, "config", None)
@@ -304,7 +360,7 @@ def main(argv):
         cases = json.load(f)
     results = {}
     for case in cases:
-        run = _loop_case if case.get("kind") == "loop" else _fit_case
+        run = _KINDS.get(case.get("kind"), _fit_case)
         try:
             results[case["name"]] = _under_policy(run, strategy, case)
         except Exception as e:  # Reported per case; the test fails on it.

@@ -106,6 +106,34 @@ class BenchFitTest(tf.test.TestCase):
             self.assertIn(f"| {r['workload']} | adamw |", result.stdout)
 
 
+class BenchFitNoiseScaleTest(tf.test.TestCase):
+    def test_noise_scale_contenders_are_timed_against_accum(self):
+        path = os.path.join(tempfile.mkdtemp(), "bench.json")
+        env = dict(os.environ, PYTHONPATH=_ROOT, TF_CPP_MIN_LOG_LEVEL="2")
+        result = subprocess.run(
+            [sys.executable, os.path.join(_ROOT, "benchmarks", "bench_fit.py"),
+             "--quick", "--workloads=mlp", "--optimizers=sgd",
+             "--contenders=accum_again", "--noise_scale_every=1,3",
+             f"--json={path}"],
+            capture_output=True, text=True, timeout=300, env=env, check=False,
+        )
+        self.assertEqual(result.returncode, 0, result.stderr[-3000:])
+        with open(path) as f:
+            report = json.load(f)
+        (r,) = report["results"]
+        self.assertCountEqual(
+            r["samples_per_second"],
+            ["accum", "accum_again", "accum_gns_k1", "accum_gns_k3"],
+        )
+        for name in ("accum_gns_k1", "accum_gns_k3"):
+            entry = r["noise_scale"][name]
+            self.assertGreater(entry["ratio_to_accum"]["median"], 0)
+            self.assertIn(f"| mlp | sgd | {name} |", result.stdout)
+        # Every window of the quick run is measured at k=1.
+        self.assertGreater(r["noise_scale"]["accum_gns_k1"]["measurements"],
+                           r["noise_scale"]["accum_gns_k3"]["measurements"])
+
+
 class XlaApplyTest(tf.test.TestCase):
     def test_xla_keeps_the_apply_out_of_every_micro_step(self):
         # XLA turns a `tf.cond` with elementwise branches (an optimizer

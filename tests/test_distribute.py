@@ -23,6 +23,7 @@ from absl.testing import parameterized
 from accum_model._keras import LEGACY
 from accum_model._keras import keras
 from tests import loopback_cluster
+from tests import noise_scale_problem
 from tests import testing_utils as tu
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -94,6 +95,12 @@ _WORKAROUND_CASES = {
     "without_logs_workaround": dict(optimizer="sgd", n=8, micro=2, steps=2,
                                     disable=["logs"]),
 }
+# AccumModel(noise_scale=True) at frozen weights: windows of 4 global
+# micro-batches of 2 * 4 samples (4 per replica), drawn with replacement.
+_NOISE_SCALE_CASES = {
+    "noise_scale_frozen": dict(kind="noise_scale", micro=4, steps=4,
+                               windows=400),
+}
 _LOOP_CASES = {
     "loop_momentum": dict(kind="loop", optimizer="momentum", n=21, micro=2,
                           steps=3),
@@ -104,7 +111,7 @@ _LOOP_CASES = {
 
 def _cases(multi_worker):
     cases = dict(_FIT_CASES, **_LOOP_CASES, **_OVERFLOW_CASES,
-                 **_OTHER_CASES)
+                 **_OTHER_CASES, **_NOISE_SCALE_CASES)
     if multi_worker and not LEGACY:
         cases.update(_WORKAROUND_CASES)
     return [dict(case, name=name) for name, case in cases.items()]
@@ -382,6 +389,36 @@ class _DistributeTestBase(tf.test.TestCase, parameterized.TestCase):
         self.assertLen(
             self._gradient_reductions(result), result["iterations"]
         )
+
+    def test_noise_scale_per_replica_measures_the_population(self):
+        # Each replica estimates its own window of 4 x 4 samples; the mean
+        # of the combined estimates over windows is the population value.
+        # (With the same data a single device pools 4 x 8 samples per
+        # window instead: another unbiased estimate, not the same number.)
+        result = self._result("noise_scale_frozen")
+        x, y = noise_scale_problem.data()
+        kernel, bias = noise_scale_problem.frozen_weights()
+        grad_sq, trace, b_simple = noise_scale_problem.population(
+            x, y, kernel, bias
+        )
+        self.assertLen(result["trace"], 400)
+        # Standard errors about 2% here (800 replica windows).
+        self.assertAllClose(np.mean(result["trace"]), trace, rtol=0.08)
+        self.assertAllClose(np.mean(result["grad_sq"]), grad_sq, rtol=0.08)
+        self.assertAllClose(
+            np.mean(result["trace"]) / np.mean(result["grad_sq"]),
+            b_simple, rtol=0.1,
+        )
+        # One global micro-batch: 2 replicas x 4 samples.
+        self.assertAllClose(result["micro_batch_weight"], 8.0)
+        # Logged equal on every replica (not summed, not halved).
+        self.assertAllClose(result["logged"][-1], result["b_simple"],
+                            rtol=1e-5)
+        # The estimate rides the weight sum's all-reduce: one vector of
+        # 5 float32 per update (the other scalars crossing replicas are
+        # Keras' per-step logs under MultiWorkerMirroredStrategy).
+        records = [tuple(r) for r in result["allreduces"]]
+        self.assertEqual(records.count((1, 20)), result["iterations"])
 
     def test_empty_shard_does_not_poison_the_logged_loss(self):
         if LEGACY:

@@ -46,5 +46,25 @@ class PaddedSequencesExampleTest(tf.test.TestCase):
         self.assertGreater(rows["naive (sample count)"], 1e-2)
 
 
+
+class NoiseScaleExampleTest(tf.test.TestCase):
+    def test_prints_the_table_for_every_run(self):
+        result = _run_example(
+            "noise_scale.py", "--epochs=2", "--epoch_samples=512",
+            "--large_steps=8", "--width=8",
+        )
+        self.assertEqual(result.returncode, 0, result.stderr[-3000:])
+        lines = result.stdout.splitlines()
+        epochs = [line for line in lines if line[:5].strip() in ("1", "2")]
+        self.assertLen(epochs, 2)
+        for line in epochs:
+            # val_loss and B_simple for 3 runs, and the warm-up's N.
+            self.assertLen(line.split(), 1 + 3 * 2 + 1)
+        for run in ("small", "large", "warmup"):
+            self.assertTrue(
+                any(line.startswith(run + " ") for line in lines), run
+            )
+
+
 if __name__ == "__main__":
     tf.test.main()
