@@ -15,9 +15,74 @@ them fails on at once (not silently):
   `_update_renorm_statistics` (Keras 3), used by `AccumBatchNormalization`
   in `_batchnorm.py`, which replaces only the moving-statistics update of
   `BatchNormalization.call`.
+
+Releases older than `MIN_KERAS` (or `MIN_TF_KERAS`, `MIN_TENSORFLOW`) lack
+some of these; importing the package there raises one `ImportError` naming
+what was found and what is needed (`check_versions`).
 """
 
+import re
+
 import tensorflow as tf
+
+# The oldest releases the package is tested with (CI's floor leg); also the
+# bounds in setup.cfg. Older ones lack Keras internals used here.
+MIN_TENSORFLOW = "2.16"
+MIN_KERAS = "3.14.0"
+MIN_TF_KERAS = "2.16"
+
+
+def _release(version):
+    """`"3.14.0rc1"` -> `(3, 14, 0)`: the leading numeric release."""
+    match = re.match(r"\d+(\.\d+)*", version.strip())
+    if match is None:
+        return ()
+    return tuple(int(part) for part in match.group(0).split("."))
+
+
+def check_versions(tensorflow_version, keras_version, legacy):
+    """Raises ImportError if this TensorFlow or Keras is too old.
+
+    Args:
+        tensorflow_version: `tf.__version__`.
+        keras_version: `__version__` of the Keras that `tf.keras` is:
+            `keras` (Keras 3), or `tf_keras` when `legacy`.
+        legacy: Whether `tf.keras` is tf_keras (TF_USE_LEGACY_KERAS=1).
+
+    Raises:
+        ImportError: Naming what was found and what is needed.
+    """
+    if legacy:
+        package, needed = "tf_keras", MIN_TF_KERAS
+        install = f'pip install "tf-keras>={needed}"'
+    else:
+        package, needed = "keras", MIN_KERAS
+        install = f'pip install "keras>={needed}"'
+    too_old = []
+    if _release(tensorflow_version) < _release(MIN_TENSORFLOW):
+        too_old.append(
+            f"TensorFlow >= {MIN_TENSORFLOW} (found {tensorflow_version})"
+        )
+        install = f'pip install "tensorflow>={MIN_TENSORFLOW}"'
+    elif not legacy and _release(keras_version) < (3,):
+        # TensorFlow >= 2.16 installs Keras 3; Keras 2 here is a broken
+        # environment or a `keras` pinned below 3.
+        too_old.append(
+            f"Keras >= {needed} (found keras {keras_version}; for Keras 2 "
+            "set TF_USE_LEGACY_KERAS=1 and install tf_keras)"
+        )
+    elif _release(keras_version) < _release(needed):
+        too_old.append(f"{package} >= {needed} (found {keras_version})")
+    if too_old:
+        raise ImportError(
+            "accum_model requires " + " and ".join(too_old) + ". "
+            f"Install a supported version, e.g. `{install}`."
+        )
+
+
+if _release(tf.__version__) < _release(MIN_TENSORFLOW):
+    # `tf.keras` is Keras 2 there and the rest of this module cannot load.
+    check_versions(tf.__version__, "", legacy=False)
 
 # `tf.keras` is the Keras that TensorFlow was told to use; its full package
 # (`keras` or `tf_keras`) has the parts `tf.keras` leaves out (`saving`).
@@ -26,6 +91,8 @@ if LEGACY:
     import tf_keras as keras
 else:
     import keras
+
+check_versions(tf.__version__, keras.__version__, LEGACY)
 
 
 if LEGACY:
