@@ -4,6 +4,7 @@ from accum_model._accumulator import GradientAccumulator
 from accum_model._batchnorm import AccumBatchNormalization
 from accum_model._batchnorm import replace_batchnorm
 from accum_model._model import AccumModel
+from accum_model._model import accumulate
 from accum_model._noise_scale import NoiseScale
 from accum_model._warmup import AccumStepsWarmup
 
@@ -13,6 +14,7 @@ __all__ = [
     "AccumStepsWarmup",
     "GradientAccumulator",
     "NoiseScale",
+    "accumulate",
     "replace_batchnorm",
 ]
 __version__ = "0.1.0"

@@ -126,6 +126,7 @@ class _Keras3Adapter:
         # functional AccumModels from a `(cls, Functional)` subclass instead,
         # which needs Functional's own `__init__` and the check it uses.
         self.functional_class = functional.Functional
+        self.functional_like = functional.functional_like_constructor
         self._functional_init_arguments = model_lib.functional_init_arguments
         # Keras' saving walks attributes that are `KerasSaveable` and stores
         # what their `save_own_variables` writes; that is how the window state
@@ -136,6 +137,11 @@ class _Keras3Adapter:
         from keras.src.saving import object_registration
 
         self._registered_names = object_registration.GLOBAL_CUSTOM_NAMES
+        self._registered_objects = object_registration.GLOBAL_CUSTOM_OBJECTS
+        self._inject_functional = model_lib.inject_functional_model_class
+        from keras.src.models import cloning
+
+        self._cloning = cloning
         self._variants = {}
 
     def check_backend(self):
@@ -182,6 +188,57 @@ class _Keras3Adapter:
             )
             self._variants[cls] = variant
         return variant
+
+    def inject_functional(self, cls):
+        """Makes `cls` a Functional subclass as `keras.Model.__init__` does.
+
+        Keras rewrites `__bases__` of every `keras.Model` subclass among the
+        ancestors of `cls` (`inject_functional_model_class`, private) when a
+        subclass is constructed with `inputs` and `outputs`; keras-hub's
+        `PipelineModel` undoes and redoes it on every construction. The
+        bases of `AccumModel` stay (see its metaclass).
+        """
+        self._inject_functional(cls)
+
+    def registered_name(self, cls):
+        return self._registry_module().get_registered_name(cls)
+
+    def register_name(self, cls, name):
+        """Makes Keras write `name` as the registered name of `cls`."""
+        self._registered_names[cls] = name
+
+    def register_object(self, name, obj):
+        """Makes Keras find `obj` when it loads the registered `name`."""
+        self._registered_objects[name] = obj
+        self._registered_names[obj] = name
+
+    def _registry_module(self):
+        return keras.saving
+
+    def accumulating_class_methods(self):
+        """Methods the classes of `accumulate` need in this generation."""
+        return {}
+
+    def deserialize(self, config):
+        """A Keras object from the dict `serialize_keras_object` writes."""
+        return keras.saving.deserialize_keras_object(config)
+
+    def install_clone_hook(self, hook):
+        """Runs `hook(model, clone)` on what `clone_model` returns.
+
+        `keras.models.clone_model` rebuilds a Sequential as a plain
+        `Sequential` and a Functional as `model.__class__(inputs, outputs)`
+        or a plain `Functional` (`_clone_sequential_model` and
+        `_clone_functional_model`, private), with no hook for the state
+        a model class adds. They are wrapped here (looked up by name at
+        call time, so every import of `clone_model` sees them); the hook
+        returns the clone to use.
+        """
+        for name in ("_clone_sequential_model", "_clone_functional_model"):
+            original = getattr(self._cloning, name)
+            if getattr(original, "_accum_model_hook", False):
+                continue
+            setattr(self._cloning, name, _with_clone_hook(original, hook))
 
     def non_functional_base(self, cls):
         """Undoes `functional_variant` for a subclass-style construction."""
@@ -436,6 +493,7 @@ class _TfKerasAdapter(_Keras3Adapter):
         from tf_keras.src.saving import object_registration
 
         self.functional_class = functional.Functional
+        self.functional_like = functional.has_functional_like_constructor
         self._functional_init_arguments = (
             training.is_functional_model_init_params
         )
@@ -445,10 +503,29 @@ class _TfKerasAdapter(_Keras3Adapter):
         self.saveable_base = _TfKerasSaveable
         self.saveable_obj_type = None
         self._registered_names = object_registration._GLOBAL_CUSTOM_NAMES
+        self._registered_objects = object_registration._GLOBAL_CUSTOM_OBJECTS
+        self._inject_functional = training.inject_functional_model_class
+        from tf_keras.src.models import cloning
+
+        self._cloning = cloning
         self._variants = {}
 
     def check_backend(self):
         pass  # tf_keras runs on TensorFlow only.
+
+    def accumulating_class_methods(self):
+        registered_name = self.registered_name
+
+        def _updated_config(model):
+            # tf_keras' `to_json` writes `class_name` from `__name__`, which
+            # the classes of `accumulate` share with their base; under that
+            # name `model_from_json` would build the base from their config.
+            # `_updated_config` (private) is where `to_json` takes it from.
+            config = keras.Model._updated_config(model)
+            config["class_name"] = registered_name(type(model))
+            return config
+
+        return {"_updated_config": _updated_config}
 
     def check_accum_batchnorm(self):
         raise ValueError(
@@ -579,6 +656,15 @@ class _TfKerasAdapter(_Keras3Adapter):
             )
             terms.append((reduction, y_p, sw, self.keras_mask(y_p)))
         return terms
+
+
+def _with_clone_hook(clone, hook):
+    def clone_with_hook(model, *args, **kwargs):
+        return hook(model, clone(model, *args, **kwargs))
+
+    clone_with_hook._accum_model_hook = True
+    clone_with_hook.__wrapped__ = clone
+    return clone_with_hook
 
 
 def _resolve_path(path, structure):
