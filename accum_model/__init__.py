@@ -4,6 +4,7 @@ from accum_model._accumulator import GradientAccumulator
 from accum_model._batchnorm import AccumBatchNormalization
 from accum_model._batchnorm import replace_batchnorm
 from accum_model._model import AccumModel
+from accum_model._model import accumulate
 from accum_model._noise_scale import NoiseScale
 from accum_model._resume import ResumableBackup
 from accum_model._warmup import AccumStepsWarmup
@@ -15,6 +16,7 @@ __all__ = [
     "GradientAccumulator",
     "NoiseScale",
     "ResumableBackup",
+    "accumulate",
     "replace_batchnorm",
 ]
 __version__ = "0.1.0"

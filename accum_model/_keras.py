@@ -15,11 +15,75 @@ them fails on at once (not silently):
   `_update_renorm_statistics` (Keras 3), used by `AccumBatchNormalization`
   in `_batchnorm.py`, which replaces only the moving-statistics update of
   `BatchNormalization.call`.
+
+Releases older than `MIN_KERAS` (or `MIN_TF_KERAS`, `MIN_TENSORFLOW`) lack
+some of these; importing the package there raises one `ImportError` naming
+what was found and what is needed (`check_versions`).
 """
 
 import os
+import re
 
 import tensorflow as tf
+
+# The oldest releases the package is tested with (CI's floor leg); also the
+# bounds in setup.cfg. Older ones lack Keras internals used here.
+MIN_TENSORFLOW = "2.16"
+MIN_KERAS = "3.14.0"
+MIN_TF_KERAS = "2.16"
+
+
+def _release(version):
+    """`"3.14.0rc1"` -> `(3, 14, 0)`: the leading numeric release."""
+    match = re.match(r"\d+(\.\d+)*", version.strip())
+    if match is None:
+        return ()
+    return tuple(int(part) for part in match.group(0).split("."))
+
+
+def check_versions(tensorflow_version, keras_version, legacy):
+    """Raises ImportError if this TensorFlow or Keras is too old.
+
+    Args:
+        tensorflow_version: `tf.__version__`.
+        keras_version: `__version__` of the Keras that `tf.keras` is:
+            `keras` (Keras 3), or `tf_keras` when `legacy`.
+        legacy: Whether `tf.keras` is tf_keras (TF_USE_LEGACY_KERAS=1).
+
+    Raises:
+        ImportError: Naming what was found and what is needed.
+    """
+    if legacy:
+        package, needed = "tf_keras", MIN_TF_KERAS
+        install = f'pip install "tf-keras>={needed}"'
+    else:
+        package, needed = "keras", MIN_KERAS
+        install = f'pip install "keras>={needed}"'
+    too_old = []
+    if _release(tensorflow_version) < _release(MIN_TENSORFLOW):
+        too_old.append(
+            f"TensorFlow >= {MIN_TENSORFLOW} (found {tensorflow_version})"
+        )
+        install = f'pip install "tensorflow>={MIN_TENSORFLOW}"'
+    elif not legacy and _release(keras_version) < (3,):
+        # TensorFlow >= 2.16 installs Keras 3; Keras 2 here is a broken
+        # environment or a `keras` pinned below 3.
+        too_old.append(
+            f"Keras >= {needed} (found keras {keras_version}; for Keras 2 "
+            "set TF_USE_LEGACY_KERAS=1 and install tf_keras)"
+        )
+    elif _release(keras_version) < _release(needed):
+        too_old.append(f"{package} >= {needed} (found {keras_version})")
+    if too_old:
+        raise ImportError(
+            "accum_model requires " + " and ".join(too_old) + ". "
+            f"Install a supported version, e.g. `{install}`."
+        )
+
+
+if _release(tf.__version__) < _release(MIN_TENSORFLOW):
+    # `tf.keras` is Keras 2 there and the rest of this module cannot load.
+    check_versions(tf.__version__, "", legacy=False)
 
 # `tf.keras` is the Keras that TensorFlow was told to use; its full package
 # (`keras` or `tf_keras`) has the parts `tf.keras` leaves out (`saving`).
@@ -28,6 +92,8 @@ if LEGACY:
     import tf_keras as keras
 else:
     import keras
+
+check_versions(tf.__version__, keras.__version__, LEGACY)
 
 
 if LEGACY:
@@ -61,6 +127,7 @@ class _Keras3Adapter:
         # functional AccumModels from a `(cls, Functional)` subclass instead,
         # which needs Functional's own `__init__` and the check it uses.
         self.functional_class = functional.Functional
+        self.functional_like = functional.functional_like_constructor
         self._functional_init_arguments = model_lib.functional_init_arguments
         # Keras' saving walks attributes that are `KerasSaveable` and stores
         # what their `save_own_variables` writes; that is how the window state
@@ -71,6 +138,11 @@ class _Keras3Adapter:
         from keras.src.saving import object_registration
 
         self._registered_names = object_registration.GLOBAL_CUSTOM_NAMES
+        self._registered_objects = object_registration.GLOBAL_CUSTOM_OBJECTS
+        self._inject_functional = model_lib.inject_functional_model_class
+        from keras.src.models import cloning
+
+        self._cloning = cloning
         self._variants = {}
 
     def check_backend(self):
@@ -117,6 +189,57 @@ class _Keras3Adapter:
             )
             self._variants[cls] = variant
         return variant
+
+    def inject_functional(self, cls):
+        """Makes `cls` a Functional subclass as `keras.Model.__init__` does.
+
+        Keras rewrites `__bases__` of every `keras.Model` subclass among the
+        ancestors of `cls` (`inject_functional_model_class`, private) when a
+        subclass is constructed with `inputs` and `outputs`; keras-hub's
+        `PipelineModel` undoes and redoes it on every construction. The
+        bases of `AccumModel` stay (see its metaclass).
+        """
+        self._inject_functional(cls)
+
+    def registered_name(self, cls):
+        return self._registry_module().get_registered_name(cls)
+
+    def register_name(self, cls, name):
+        """Makes Keras write `name` as the registered name of `cls`."""
+        self._registered_names[cls] = name
+
+    def register_object(self, name, obj):
+        """Makes Keras find `obj` when it loads the registered `name`."""
+        self._registered_objects[name] = obj
+        self._registered_names[obj] = name
+
+    def _registry_module(self):
+        return keras.saving
+
+    def accumulating_class_methods(self):
+        """Methods the classes of `accumulate` need in this generation."""
+        return {}
+
+    def deserialize(self, config):
+        """A Keras object from the dict `serialize_keras_object` writes."""
+        return keras.saving.deserialize_keras_object(config)
+
+    def install_clone_hook(self, hook):
+        """Runs `hook(model, clone)` on what `clone_model` returns.
+
+        `keras.models.clone_model` rebuilds a Sequential as a plain
+        `Sequential` and a Functional as `model.__class__(inputs, outputs)`
+        or a plain `Functional` (`_clone_sequential_model` and
+        `_clone_functional_model`, private), with no hook for the state
+        a model class adds. They are wrapped here (looked up by name at
+        call time, so every import of `clone_model` sees them); the hook
+        returns the clone to use.
+        """
+        for name in ("_clone_sequential_model", "_clone_functional_model"):
+            original = getattr(self._cloning, name)
+            if getattr(original, "_accum_model_hook", False):
+                continue
+            setattr(self._cloning, name, _with_clone_hook(original, hook))
 
     def non_functional_base(self, cls):
         """Undoes `functional_variant` for a subclass-style construction."""
@@ -428,6 +551,7 @@ class _TfKerasAdapter(_Keras3Adapter):
         from tf_keras.src.saving import object_registration
 
         self.functional_class = functional.Functional
+        self.functional_like = functional.has_functional_like_constructor
         self._functional_init_arguments = (
             training.is_functional_model_init_params
         )
@@ -437,10 +561,29 @@ class _TfKerasAdapter(_Keras3Adapter):
         self.saveable_base = _TfKerasSaveable
         self.saveable_obj_type = None
         self._registered_names = object_registration._GLOBAL_CUSTOM_NAMES
+        self._registered_objects = object_registration._GLOBAL_CUSTOM_OBJECTS
+        self._inject_functional = training.inject_functional_model_class
+        from tf_keras.src.models import cloning
+
+        self._cloning = cloning
         self._variants = {}
 
     def check_backend(self):
         pass  # tf_keras runs on TensorFlow only.
+
+    def accumulating_class_methods(self):
+        registered_name = self.registered_name
+
+        def _updated_config(model):
+            # tf_keras' `to_json` writes `class_name` from `__name__`, which
+            # the classes of `accumulate` share with their base; under that
+            # name `model_from_json` would build the base from their config.
+            # `_updated_config` (private) is where `to_json` takes it from.
+            config = keras.Model._updated_config(model)
+            config["class_name"] = registered_name(type(model))
+            return config
+
+        return {"_updated_config": _updated_config}
 
     def check_accum_batchnorm(self):
         raise ValueError(
@@ -604,6 +747,15 @@ class _TfKerasAdapter(_Keras3Adapter):
                 (reduction, y_t, y_p, sw, self.keras_mask(y_p), loss_obj)
             )
         return terms
+
+
+def _with_clone_hook(clone, hook):
+    def clone_with_hook(model, *args, **kwargs):
+        return hook(model, clone(model, *args, **kwargs))
+
+    clone_with_hook._accum_model_hook = True
+    clone_with_hook.__wrapped__ = clone
+    return clone_with_hook
 
 
 def _resolve_path(path, structure):

@@ -1,5 +1,6 @@
 """`AccumModel`: a `tf.keras.Model` whose `fit` accumulates gradients."""
 
+import functools
 import inspect
 import warnings
 import weakref
@@ -18,6 +19,8 @@ ADAPTER = _keras.ADAPTER
 keras = _keras.keras
 
 EPOCH_END_MODES = ("apply", "carry")
+
+_UNSET = type("Unset", (), {"__repr__": lambda self: "<default>"})()
 
 
 def validate_epoch_end(epoch_end):
@@ -61,7 +64,28 @@ class MultiWorkerFitWorkarounds:
         )
 
 
-class AccumModel(MultiWorkerFitWorkarounds, keras.Model):
+class _KeepsOwnBases(type):
+    """The metaclass of `AccumModel`: its bases are never rewritten.
+
+    When a subclass of a Keras model class is constructed with `inputs` and
+    `outputs`, Keras rewrites `__bases__` of every ancestor, replacing
+    `keras.Model` with `Functional` (`ADAPTER.inject_functional`). Applied
+    to `AccumModel` (by `class X(AccumModel, Task)`, or by any keras-hub
+    task class among the bases) it would make every later subclass-style
+    `AccumModel` a Functional one, and break the MRO of `(Functional,
+    AccumModel)` classes. `AccumModel` builds Functional classes of its own
+    (`ADAPTER.functional_variant`), so the rewrite is skipped for it.
+    """
+
+    def __setattr__(cls, name, value):
+        if name == "__bases__" and "_keeps_own_bases" in cls.__dict__:
+            return
+        super().__setattr__(name, value)
+
+
+class AccumModel(
+    MultiWorkerFitWorkarounds, keras.Model, metaclass=_KeepsOwnBases
+):
     """A `tf.keras.Model` that trains as if its batch were `accum_steps` larger.
 
     `fit` feeds micro-batches of `batch_size` samples; `AccumModel` keeps the
@@ -95,7 +119,7 @@ class AccumModel(MultiWorkerFitWorkarounds, keras.Model):
 
     Args:
         *args: Passed to `tf.keras.Model` (e.g. `inputs`, `outputs`).
-        accum_steps: Int >= 1. Micro-batches per optimizer update; 1 is plain
+        accum_steps: Int >= 1 (default 1). Micro-batches per update; 1 is plain
             training. Also a read/write property: a new value takes effect when
             the next window opens, without retracing.
         epoch_end: `"apply"` (default) applies a partly filled window at the end
@@ -115,23 +139,36 @@ class AccumModel(MultiWorkerFitWorkarounds, keras.Model):
         TypeError: If `noise_scale` is not one of the above.
     """
 
-    def __init__(self, *args, accum_steps=1, epoch_end="apply",
-                 noise_scale=False, **kwargs):
+    _keeps_own_bases = True
+
+    def __init__(self, *args, accum_steps=_UNSET, epoch_end=_UNSET,
+                 noise_scale=_UNSET, **kwargs):
+        # Given to a subclass's `__init__` that did not pass them on (see
+        # `_seeing_accumulation_arguments`), else the defaults.
+        given = self.__dict__.get("_accum_new_kwargs", {})
+        if accum_steps is _UNSET:
+            accum_steps = given.get("accum_steps", 1)
+        if epoch_end is _UNSET:
+            epoch_end = given.get("epoch_end", "apply")
+        if noise_scale is _UNSET:
+            noise_scale = given.get("noise_scale", False)
         ADAPTER.check_backend()
         accum_steps = validate_accum_steps(accum_steps)
         epoch_end = validate_epoch_end(epoch_end)
         noise_scale = _noise_scale.as_config(noise_scale)
         if ADAPTER.is_functional_call(args, kwargs):
+            if not issubclass(type(self), ADAPTER.functional_class):
+                # What `keras.Model.__init__` does first, for the other
+                # Keras model classes among the bases (`class X(Task,
+                # AccumModel)`: keras-hub's `PipelineModel` has just taken
+                # Functional out of its bases and expects it back).
+                ADAPTER.inject_functional(type(self))
             self.__class__ = ADAPTER.functional_variant(type(self))
             ADAPTER.init_functional(self, args, kwargs)
         else:
             self.__class__ = ADAPTER.non_functional_base(type(self))
             super().__init__(*args, **kwargs)
-        self._accum_steps = accum_steps
-        self._epoch_end = epoch_end
-        self._noise_scale = noise_scale
-        self._accumulation = _AccumulationState(self)
-        self._flush_function = None
+        _init_accumulation(self, accum_steps, epoch_end, noise_scale)
 
     # Configuration
 
@@ -197,14 +234,30 @@ class AccumModel(MultiWorkerFitWorkarounds, keras.Model):
         """The `GradientAccumulator` holding the window (None before fit)."""
         return self._accumulation.engine
 
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if "_accum_base" in cls.__dict__:
+            return  # Made by `accumulate`, never constructed.
+        init = cls.__init__
+        if init is not AccumModel.__init__ and not getattr(
+            init, "_accum_sees_arguments", False
+        ):
+            cls.__init__ = _seeing_accumulation_arguments(init)
+        # `class X(Task, AccumModel)`: a base before `AccumModel` whose
+        # `get_config` does not chain to ours (keras-hub's `Task`) would
+        # drop `accum_steps` from saved files and clones.
+        if cls.get_config is not AccumModel.get_config:
+            cls.get_config = _with_accumulation_config(cls.get_config)
+
     def get_config(self):
-        if isinstance(self, ADAPTER.functional_class):
+        if isinstance(self, ADAPTER.functional_class) and (
+            _next_definer(type(self), AccumModel, "get_config")
+            in _KERAS_CONFIG_CLASSES
+        ):
             config = ADAPTER.functional_config(self)
         else:
             config = super().get_config()
-        config.update(accum_steps=self.accum_steps, epoch_end=self.epoch_end)
-        if self._noise_scale is not None:
-            config["noise_scale"] = self._noise_scale.get_config()
+        config.update(_accumulation_config(self))
         return config
 
     @classmethod
@@ -213,7 +266,11 @@ class AccumModel(MultiWorkerFitWorkarounds, keras.Model):
         accum_steps = config.pop("accum_steps", None)
         epoch_end = config.pop("epoch_end", None)
         noise_scale = config.pop("noise_scale", None)
-        model = super().from_config(config, custom_objects=custom_objects)
+        next_from_config = super().from_config
+        if "custom_objects" in inspect.signature(next_from_config).parameters:
+            model = next_from_config(config, custom_objects=custom_objects)
+        else:  # keras-hub's `Task.from_config(config)`, for one.
+            model = next_from_config(config)
         if noise_scale is not None:
             model.noise_scale = noise_scale
         if accum_steps is not None:
@@ -312,7 +369,43 @@ class AccumModel(MultiWorkerFitWorkarounds, keras.Model):
 
     # Training
 
+    def accumulate_gradients(self, grads, weight=1.0):
+        """Adds a micro-batch's gradients to the window; applies it when full.
+
+        For a `train_step` of your own that computes its gradients itself
+        (where `super().train_step(data)` does not fit): call this where
+        Keras' guide calls `self.optimizer.apply(grads)`, and `fit`
+        accumulates as with `AccumModel`'s own step (epoch ends included).
+
+        ```python
+        def train_step(self, data):
+            x, y = data
+            with tf.GradientTape() as tape:
+                y_pred = self(x, training=True)
+                loss = self.compute_loss(y=y, y_pred=y_pred)
+            grads = tape.gradient(loss, self.trainable_variables)
+            self.accumulate_gradients(grads, weight=tf.shape(x)[0])
+            ...
+        ```
+
+        Args:
+            grads: One gradient per variable of `self.trainable_variables`,
+                of the micro-batch's *mean* loss (with a `LossScaleOptimizer`,
+                as `GradientAccumulator.step` takes them).
+            weight: Float scalar: what that mean divided by (the number of
+                samples for Keras' default reduction, the number of tokens
+                for a per-token mean). 1.0 weighs micro-batches equally.
+
+        Returns:
+            A bool scalar tensor: whether this call applied an update.
+        """
+        self._accumulation.stepped = True
+        engine = self._accumulation.build()
+        return engine.step(grads, self.optimizer, weight=weight)
+
     def train_step(self, data):
+        # Seen when `fit` traces the step: it goes through the window.
+        self._accumulation.stepped = True
         x, y, sample_weight = ADAPTER.unpack(data)
         scaling = ADAPTER.is_loss_scale_optimizer(self.optimizer)
 
@@ -412,7 +505,9 @@ class AccumModel(MultiWorkerFitWorkarounds, keras.Model):
             Bool: whether an update was applied.
         """
         engine = self._accumulation.engine
-        if engine is None:
+        if engine is None or not self._accumulation.stepped:
+            # A `train_step` of its own that applies updates itself (see
+            # `_warn_once_on_bypass`): nothing was accumulated.
             return False
         if self._flush_function is None:
             self._flush_function = self._make_flush_function(engine)
@@ -435,22 +530,336 @@ class AccumModel(MultiWorkerFitWorkarounds, keras.Model):
 
         if self.run_eagerly:
             return run
-        return tf.function(run)
+        function = tf.function(run)
+        # Traced once per model and called once per epoch: TensorFlow's
+        # retracing warning (keyed by the code of `run`, shared by all
+        # models) would fire after a few models in one process (k-fold, a
+        # notebook) for retracing that is expected (`_omit_...`, private).
+        function._omit_frequent_tracing_warning = True
+        return function
 
     def fit(self, *args, **kwargs):
-        bound = inspect.signature(keras.Model.fit).bind(self, *args, **kwargs)
-        callbacks = bound.arguments.get("callbacks")
+        # The arguments go on as they came, to whichever `fit` is next: a
+        # base's own `fit` (keras-hub's takes `sample_weight` fourth, where
+        # `keras.Model.fit` takes `epochs`). Only `callbacks` is changed,
+        # where it was passed.
+        next_fit = super().fit
+        args, kwargs = list(args), dict(kwargs)
+        position = _positional_index(next_fit, "callbacks")
+        in_args = position is not None and position < len(args)
+        callbacks = args[position] if in_args else kwargs.get("callbacks")
         flush = _EpochEndFlush()
         if isinstance(callbacks, keras.callbacks.CallbackList):
             flush.set_model(self)
             callbacks.callbacks.insert(0, flush)
         else:
             # First in the list, so later callbacks see the final weights.
-            bound.arguments["callbacks"] = [flush] + list(callbacks or [])
-        return super().fit(*bound.args[1:], **bound.kwargs)
+            callbacks = [flush] + list(callbacks or [])
+        if in_args:
+            args[position] = callbacks
+        else:
+            kwargs["callbacks"] = callbacks
+        return next_fit(*args, **kwargs)
 
 
 AccumModel = ADAPTER.register_serializable(AccumModel)
+
+# Keras' own `get_config`s, which write no constructor arguments of a
+# Functional subclass.
+_KERAS_CONFIG_CLASSES = tuple(
+    c
+    for c in (ADAPTER.functional_class, keras.Model, keras.layers.Layer)
+    for c in c.__mro__
+)
+
+def _next_definer(cls, after, name):
+    """The class after `after` in `cls`'s MRO that defines `name`."""
+    mro = cls.__mro__
+    for c in mro[mro.index(after) + 1:]:
+        if name in c.__dict__:
+            return c
+    return None
+
+
+def _accumulation_config(model):
+    config = dict(accum_steps=model.accum_steps, epoch_end=model.epoch_end)
+    if model._noise_scale is not None:
+        config["noise_scale"] = model._noise_scale.get_config()
+    return config
+
+
+def _with_accumulation_config(get_config):
+    def get_config_with_accumulation(self):
+        config = get_config(self)
+        config.update(_accumulation_config(self))
+        return config
+
+    get_config_with_accumulation.__wrapped__ = get_config
+    get_config_with_accumulation.__doc__ = get_config.__doc__
+    return get_config_with_accumulation
+
+
+def _seeing_accumulation_arguments(init):
+    """Wraps a subclass's `__init__` so `AccumModel.__init__` sees its args.
+
+    `class X(Base, AccumModel)` where `Base` builds itself functionally:
+    once Keras has made `Base` Functional, `X(..., accum_steps=4)` reaches
+    `AccumModel.__init__` only through `Functional.__init__`, which drops
+    arguments it does not know. The wrapper keeps them on the instance
+    first, and takes them out of what `init` passes on through its own
+    `**kwargs` (tf_keras' `Functional.__init__` refuses unknown ones). Its
+    signature stays `init`'s, which `clone_model` reads.
+    """
+    signature = inspect.signature(init)
+    named = {
+        name
+        for name, p in signature.parameters.items()
+        if p.kind is not p.VAR_KEYWORD
+    }
+
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        if "_accum_new_kwargs" not in self.__dict__:
+            given = {}
+            for name in ("accum_steps", "epoch_end", "noise_scale"):
+                if name in kwargs:
+                    given[name] = (
+                        kwargs[name] if name in named else kwargs.pop(name)
+                    )
+            object.__setattr__(self, "_accum_new_kwargs", given)
+        init(self, *args, **kwargs)
+
+    __init__.__signature__ = signature
+    __init__._accum_sees_arguments = True
+    return __init__
+
+
+def _positional_index(fn, name):
+    """Where `fn` takes `name` by position, or None."""
+    index = 0
+    for parameter in inspect.signature(fn).parameters.values():
+        if parameter.kind not in (
+            parameter.POSITIONAL_ONLY,
+            parameter.POSITIONAL_OR_KEYWORD,
+        ):
+            return None
+        if parameter.name == name:
+            return index
+        index += 1
+    return None
+
+
+def _init_accumulation(model, accum_steps, epoch_end, noise_scale=None):
+    model._accum_steps = accum_steps
+    model._epoch_end = epoch_end
+    model._noise_scale = noise_scale
+    model._accumulation = _AccumulationState(model)
+    model._flush_function = None
+
+
+def accumulate(model, accum_steps, epoch_end="apply"):
+    """Makes an existing Keras model accumulate gradients, in place.
+
+    The one line for a model you did not write: a `keras.Sequential`, a
+    Functional model, a subclassed model, a model loaded from a file, or a
+    keras-hub task (`BertTextClassifier`, `GPT2CausalLM`, ...). Afterwards
+    `fit` trains exactly like `AccumModel`: each optimizer update applies
+    the weighted mean gradient of `accum_steps` micro-batches, equal to
+    training with `batch_size * accum_steps`.
+
+    ```python
+    model = keras_hub.models.GPT2CausalLM.from_preset("gpt2_base_en")
+    accum_model.accumulate(model, accum_steps=8)
+    model.fit(texts, batch_size=4)   # updates of 32 samples
+    ```
+
+    The object stays what it was, with its weights, its optimizer and its
+    compile settings: its class is swapped for a subclass of its own class
+    that also derives from `AccumModel` (cached per class, with the same
+    name), so `isinstance(model, AccumModel)` holds and everything of its
+    own class keeps working: its `fit` signature, a keras-hub task's
+    preprocessor, default `compile()` and `generate()`, `predict`,
+    `summary`, `export`, and its own `train_step` (which accumulates when it
+    calls `super().train_step(data)`). A train function traced before is
+    dropped, so the next `fit` traces the accumulating one. Calling it
+    again on an accumulating model (an `AccumModel` included) only changes
+    `accum_steps` and `epoch_end`.
+
+    `get_config`, `to_json`, `.keras` files and `keras.models.clone_model`
+    bring the model back as its own class, accumulating, with `accum_steps`
+    and `epoch_end` (and saved files with an open window), once
+    `accum_model` is imported.
+
+    Args:
+        model: A `keras.Model` instance, built or not, compiled or not.
+        accum_steps: Int >= 1. Micro-batches per optimizer update; 1 is
+            plain training. Also the read/write property `accum_steps`.
+        epoch_end: `"apply"` (default) applies a partly filled window at
+            the end of every epoch; `"carry"` keeps it open into the next
+            epoch. See `AccumModel`.
+
+    Returns:
+        `model` itself.
+
+    Raises:
+        TypeError: If `model` is not a `keras.Model` instance.
+        ValueError: If `accum_steps` or `epoch_end` is invalid, or Keras
+            does not run on TensorFlow.
+    """
+    if not isinstance(model, keras.Model):
+        raise TypeError(
+            "`model` must be a `keras.Model` instance. Received: "
+            f"model={model!r} of type {type(model).__name__}"
+        )
+    ADAPTER.check_backend()
+    accum_steps = validate_accum_steps(accum_steps)
+    epoch_end = validate_epoch_end(epoch_end)
+    if isinstance(model, AccumModel):
+        model.accum_steps = accum_steps
+        model.epoch_end = epoch_end
+        return model
+    model.__class__ = _accumulating_class(type(model))
+    _init_accumulation(model, accum_steps, epoch_end)
+    # Traced with the class's own `train_step`; `fit` makes a new one.
+    model.train_function = None
+    return model
+
+
+# Under this name Keras saves every class `accumulate` makes; loading it
+# calls `_Accumulating.from_config`.
+_ACCUMULATING_NAME = "accum_model>Accumulating"
+_accumulating_classes = {}
+
+
+def _accumulating_class(base):
+    """The cached `(base, AccumModel)` class `accumulate` gives a `base`.
+
+    Never called to construct (that would run Keras' class rewrite on
+    `AccumModel`, see `ADAPTER.inject_functional`): `accumulate` swaps the
+    class of a built `base` instance, and loading builds the base first.
+    """
+    cls = _accumulating_classes.get(base)
+    if cls is None:
+        namespace = {
+            "__module__": base.__module__,
+            "__qualname__": base.__qualname__,
+            "__doc__": base.__doc__,
+            "_accum_base": base,
+            "get_config": _accumulating_get_config,
+            "from_config": classmethod(_accumulating_from_config),
+            **ADAPTER.accumulating_class_methods(),
+        }
+        if not ADAPTER.functional_like(base):
+            # Not a signature Keras constructs (`clone_model` builds a plain
+            # Functional, which its hook makes accumulate). A Functional
+            # base keeps its own: `X(inputs, outputs)` reaches
+            # `AccumModel.__init__` only without functional arguments.
+            namespace["__init__"] = _refuse_init
+        cls = type(base.__name__, (base, AccumModel), namespace)
+        ADAPTER.register_name(cls, _ACCUMULATING_NAME)
+        _accumulating_classes[base] = cls
+    return cls
+
+
+def _refuse_init(self, model=None):
+    # Not Functional's signature, so `clone_model` builds a plain Functional
+    # (which its hook makes accumulate) instead of calling this class.
+    raise TypeError(
+        f"{type(self).__name__} is made by `accum_model.accumulate(model, "
+        "accum_steps)`; construct the model as its own class, then call "
+        "`accumulate` on it."
+    )
+
+
+def _accumulating_get_config(self):
+    base = type(self)._accum_base
+    definer = next(c for c in base.__mro__ if "get_config" in c.__dict__)
+    if isinstance(self, ADAPTER.functional_class) and (
+        definer in _KERAS_CONFIG_CLASSES
+    ):
+        # Keras' own writes the graph only for classes it may construct.
+        config = ADAPTER.functional_config(self)
+    else:
+        config = dict(base.get_config(self))
+    accumulation = _accumulation_config(self)
+    for key in ("accum_steps", "epoch_end", "noise_scale"):
+        # Reached through `super()` from the base's own `get_config`.
+        config.pop(key, None)
+    return {
+        "base": {
+            "module": base.__module__,
+            "class_name": base.__name__,
+            "registered_name": ADAPTER.registered_name(base),
+            "config": config,
+        },
+        **accumulation,
+    }
+
+
+def _accumulating_from_config(cls, config, custom_objects=None):
+    if "base" not in config:
+        # The base's own config: a deserializer that found this class by
+        # the base's name (`clone_model`'s `custom_objects`) while loading
+        # the base of a saved one, which `_Accumulating` then converts.
+        return cls._accum_base.from_config(config)
+    return _Accumulating.from_config(config, custom_objects=custom_objects)
+
+
+class _Accumulating:
+    """Loads what `accumulate` made: the base from its config, then in place."""
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        del cls
+        base_config = config["base"]
+        if custom_objects:
+            with keras.saving.custom_object_scope(custom_objects):
+                model = ADAPTER.deserialize(base_config)
+        else:
+            model = ADAPTER.deserialize(base_config)
+        model = accumulate(
+            model,
+            accum_steps=config["accum_steps"],
+            epoch_end=config["epoch_end"],
+        )
+        if config.get("noise_scale") is not None:
+            model.noise_scale = config["noise_scale"]
+        return model
+
+    def get_config(self):
+        raise NotImplementedError("Loads models; never an instance.")
+
+
+ADAPTER.register_object(_ACCUMULATING_NAME, _Accumulating)
+
+
+def _clone_hook(model, clone):
+    """Makes a `keras.models.clone_model` clone accumulate like `model`."""
+    if not isinstance(model, AccumModel) or clone is model:
+        return clone
+    base = getattr(type(model), "_accum_base", type(model))
+    if isinstance(clone, AccumModel):
+        clone.accum_steps = model.accum_steps
+        clone.epoch_end = model.epoch_end
+        clone.noise_scale = model.noise_scale
+        return clone
+    if not isinstance(clone, base):
+        warnings.warn(
+            f"`keras.models.clone_model` rebuilt the {base.__name__} "
+            f"{model.name!r} as a plain {type(clone).__name__} (Keras "
+            "clones Functional models by their graph, without the "
+            "attributes their class adds, e.g. a keras-hub preprocessor). "
+            "The clone accumulates like the original. For a clone of the "
+            "model's own class (accumulating too), use "
+            "`type(model).from_config(model.get_config())`.",
+            stacklevel=4,
+        )
+    clone = accumulate(clone, model.accum_steps, model.epoch_end)
+    clone.noise_scale = model.noise_scale
+    return clone
+
+
+ADAPTER.install_clone_hook(_clone_hook)
 
 
 class _EpochEndFlush(ADAPTER.callback_base):
@@ -476,6 +885,7 @@ class _EpochEndFlush(ADAPTER.callback_base):
             self._flush()
 
     def on_epoch_end(self, epoch, logs=None):
+        _warn_once_on_bypass(self.model)
         self._flush()
         self.model._warn_if_discarded()
 
@@ -500,6 +910,10 @@ class _AccumulationState(ADAPTER.saveable_base):
         self.engine = None
         self.warned_batchnorm = False
         self.warned_discarded = 0
+        # Whether a traced step went through the window (`train_step` or
+        # `accumulate_gradients`), and whether the model warned it did not.
+        self.stepped = False
+        self.warned_bypass = False
 
     def _obj_type(self):
         return ADAPTER.saveable_obj_type
@@ -580,6 +994,26 @@ class _AccumulationState(ADAPTER.saveable_base):
             v.assign(tf.zeros_like(v))
         # Discarded before the save: warned about then.
         self.warned_discarded = int(engine.discarded_windows)
+        # The saved window came from steps through it: applicable at once.
+        if int(engine.micro_step) > 0:
+            self.stepped = True
+
+
+def _warn_once_on_bypass(model):
+    state = model._accumulation
+    if state.stepped or state.warned_bypass:
+        return
+    state.warned_bypass = True
+    warnings.warn(
+        f"The `train_step` of {type(model).__name__} {model.name!r} did not "
+        "go through `AccumModel.train_step` or `accumulate_gradients`, so "
+        f"it applies every micro-batch itself: accum_steps="
+        f"{model.accum_steps} and epoch_end={model.epoch_end!r} have no "
+        "effect. Call `super().train_step(data)`, or pass the gradients to "
+        "`self.accumulate_gradients(grads, weight)` instead of "
+        "`self.optimizer.apply` (see docs/models.md).",
+        stacklevel=2,
+    )
 
 
 def _warn_once_on_plain_batchnorm(model):

@@ -43,14 +43,21 @@ def configure_coordination(heartbeat_timeout_s):
         heartbeat_timeout_s: Seconds a worker may go without a heartbeat.
     """
     # Private TensorFlow API: the strategy offers no argument for this.
-    from tensorflow.compiler.xla.tsl.protobuf import coordination_config_pb2
+    # `context` has stayed put across releases; the `CoordinatedJob` proto's
+    # module has not (`tensorflow.tsl` in 2.16, `tensorflow.compiler.xla.tsl`
+    # later), so the message comes from the public `ConfigProto`, whose
+    # `coordination_config` holds a list of them.
+    import tensorflow as tf
     from tensorflow.python.eager import context
 
     workers = len(json.loads(os.environ["TF_CONFIG"])["cluster"]["worker"])
+    coordination = tf.compat.v1.ConfigProto().experimental.coordination_config
+    job = coordination.coordinated_job_list.add(
+        name="worker", num_tasks=workers
+    )
     context.context().configure_coordination_service(
         service_type="standalone",
         service_leader="/job:worker/replica:0/task:0",
         heartbeat_timeout_in_ms=int(heartbeat_timeout_s * 1000),
-        coordinated_jobs=[coordination_config_pb2.CoordinatedJob(
-            name="worker", num_tasks=workers)],
+        coordinated_jobs=[job],
     )

@@ -6,6 +6,8 @@ import sys
 
 import tensorflow as tf
 
+from tests import testing_utils as tu
+
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -45,6 +47,26 @@ class PaddedSequencesExampleTest(tf.test.TestCase):
         self.assertLess(rows["exact (valid tokens)"], 1e-4)
         self.assertGreater(rows["naive (sample count)"], 1e-2)
 
+
+@tu.skip_unless_available("keras_hub")
+class FinetuneKerasHubExampleTest(tf.test.TestCase):
+    def test_accumulate_matches_large_batch_and_builtin_does_not(self):
+        result = _run_example(
+            "finetune_keras_hub.py", "--texts=24", "--epochs=1",
+            "--batch_size=2", "--accum_steps=3", "--sequence_length=8",
+            "--hidden_dim=8", "--num_layers=1",
+        )
+        self.assertEqual(result.returncode, 0, result.stderr[-3000:])
+        self.assertIn("accumulate matches the large batch", result.stdout)
+        rows = {
+            line[:30].strip(): line.split()
+            for line in result.stdout.splitlines()
+            if line.startswith(("plain (", "accumulate (", "keras builtin ("))
+        }
+        self.assertEqual(int(rows["accumulate (B=2, N=3)"][-3]), 4)
+        self.assertEqual(int(rows["plain (B=6)"][-3]), 4)
+        self.assertEqual(int(rows["plain (B=2)"][-3]), 12)
+        self.assertGreater(float(rows["keras builtin (B=2, N=3)"][-1]), 1e-4)
 
 
 class NoiseScaleExampleTest(tf.test.TestCase):

@@ -162,3 +162,35 @@ def save_and_load(model, path, make_model):
     restored = make_model()
     restored.load_weights(path)
     return restored
+
+
+def _keras_hub_missing():
+    if LEGACY:
+        return ("keras-hub runs on Keras 3 only; TF_USE_LEGACY_KERAS=1 "
+                "selects tf_keras")
+    try:
+        import keras_hub  # noqa: F401
+    except ImportError as e:
+        return f"keras-hub is not importable ({e})"
+    return None
+
+
+def skip_unless_available(what):
+    """The one way tests skip: a Keras generation or a package missing.
+
+    Args:
+        what: `"keras_3"` (Keras 3, not tf_keras) or `"keras_hub"` (keras-hub
+            importable, which implies Keras 3).
+
+    Returns:
+        A `unittest` skip decorator, or a no-op one, with the reason.
+    """
+    import unittest
+
+    reasons = {
+        "keras_3": "tf_keras (TF_USE_LEGACY_KERAS=1) has no such feature"
+        if LEGACY else None,
+        "keras_hub": _keras_hub_missing(),
+    }
+    reason = reasons[what]
+    return unittest.skipIf(reason is not None, reason)
