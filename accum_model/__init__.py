@@ -6,6 +6,7 @@ from accum_model._batchnorm import replace_batchnorm
 from accum_model._model import AccumModel
 from accum_model._model import accumulate
 from accum_model._noise_scale import NoiseScale
+from accum_model._resume import ResumableBackup
 from accum_model._warmup import AccumStepsWarmup
 
 __all__ = [
@@ -14,6 +15,7 @@ __all__ = [
     "AccumStepsWarmup",
     "GradientAccumulator",
     "NoiseScale",
+    "ResumableBackup",
     "accumulate",
     "replace_batchnorm",
 ]

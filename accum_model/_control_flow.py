@@ -60,7 +60,7 @@ def first_replica(strategy, value):
     return value
 
 
-def _in_xla_context():
+def in_xla_context():
     """Whether the graph being traced is compiled by XLA (`jit_compile`)."""
     try:
         from tensorflow.python.ops import control_flow_util
@@ -76,7 +76,7 @@ def run_if(pred, fn):
 
     Only the taken branch runs, also under XLA.
     """
-    if _in_xla_context():
+    if in_xla_context():
 
         def body(i):
             fn()
@@ -94,33 +94,54 @@ def run_if(pred, fn):
     tf.cond(pred, branch, lambda: tf.constant(False))
 
 
-def close_if(pred, apply_if, apply_fn, then):
-    """When `pred`: `apply_fn()` if `apply_if()`, then `then()`.
+def close_if(pred, apply_if, apply_fn, then, check=None,
+             on_failed_check=None):
+    """When `pred`: `apply_fn()` if `apply_if()` (and `check()`), then `then()`.
 
     Safe when `apply_fn` all-reduces: under a strategy both conditions are
     taken in cross-replica context, so they are equal on every replica, and
-    the functions run back in each replica. `apply_if` and `then` run only
-    when `pred` holds.
+    the functions run back in each replica. `apply_if`, `check` and `then`
+    run only when `pred` holds.
 
     Args:
         pred: Bool scalar tensor, equal on every replica.
         apply_if: Callable returning a bool scalar tensor.
         apply_fn: Callable without arguments or outputs.
         then: Callable without arguments or outputs.
+        check: Optional callable run in each replica when `apply_if()`
+            holds, returning a bool scalar tensor that is equal on every
+            replica (all-reduced); `apply_fn` runs only when it holds.
+        on_failed_check: Optional callable run in each replica instead of
+            `apply_fn` when `check()` does not hold.
     """
 
-    def close(in_replicas):
-        run_if(apply_if(), lambda: in_replicas(apply_fn))
+    def close(in_replicas, first):
+        def apply_checked():
+            passed = first(in_replicas(check))
+            run_if(passed, lambda: in_replicas(apply_fn))
+            if on_failed_check is not None:
+                run_if(
+                    tf.logical_not(passed),
+                    lambda: in_replicas(on_failed_check),
+                )
+
+        run_if(
+            apply_if(),
+            apply_checked if check else lambda: in_replicas(apply_fn),
+        )
         in_replicas(then)
 
     if not in_replica_context_of_strategy():
-        run_if(pred, lambda: close(lambda fn: fn()))
+        run_if(pred, lambda: close(lambda fn: fn(), lambda v: v))
         return
 
     def merge_fn(strategy, pred):
         run_if(
             first_replica(strategy, pred),
-            lambda: close(strategy.extended.call_for_each_replica),
+            lambda: close(
+                strategy.extended.call_for_each_replica,
+                lambda v: first_replica(strategy, v),
+            ),
         )
 
     tf.distribute.get_replica_context().merge_call(merge_fn, args=(pred,))

@@ -21,6 +21,7 @@ some of these; importing the package there raises one `ImportError` naming
 what was found and what is needed (`check_versions`).
 """
 
+import os
 import re
 
 import tensorflow as tf
@@ -426,12 +427,13 @@ class _Keras3Adapter:
         """The compiled loss's terms for one micro-batch, as Keras computes them.
 
         Returns:
-            A list of `(reduction, y_pred, sample_weight, mask)`, one per
-            per-output loss, or None when there is no built compiled loss.
-            `reduction` is one of "sum_over_batch_size",
-            "mean_with_sample_weight", "sum", "none".
+            A list of `(reduction, y_true, y_pred, sample_weight, mask,
+            loss_fn)`, one per per-output loss, or None when there is no
+            built compiled loss. `reduction` is one of
+            "sum_over_batch_size", "mean_with_sample_weight", "sum",
+            "none"; `y_true` is None when the targets cannot be paired
+            with the output without Keras' own fallbacks.
         """
-        del y  # Keras 3 pairs targets by the same paths as predictions.
         # `_compile_loss` (private) is the `CompileLoss` that
         # `compute_loss` calls; its per-output `Loss` objects carry the
         # reductions, and `_flat_losses` their paths into `y_pred`.
@@ -453,9 +455,20 @@ class _Keras3Adapter:
         nested_weights = sample_weight is not None and tree.is_nested(
             sample_weight
         )
+        # Targets by the same paths as predictions, as `CompileLoss.call`
+        # pairs them in the common cases (one output, or the same
+        # structure); its other fallbacks are not replayed here.
+        nested_targets = tree.is_nested(y)
         terms = []
         for path, loss_fn, _, _ in compile_loss._flat_losses:
             y_p = _resolve_path(path, y_pred)
+            if not nested_targets:
+                y_t = y if not tree.is_nested(y_pred) else None
+            else:
+                try:
+                    y_t = _resolve_path(path, y)
+                except (KeyError, IndexError, TypeError):
+                    y_t = None
             sw = (
                 _resolve_path(path, sample_weight)
                 if nested_weights
@@ -466,7 +479,9 @@ class _Keras3Adapter:
                 reduction = "sum_over_batch_size"
             elif reduction is None:
                 reduction = "none"
-            terms.append((reduction, y_p, sw, self.keras_mask(y_p)))
+            terms.append(
+                (reduction, y_t, y_p, sw, self.keras_mask(y_p), loss_fn)
+            )
         return terms
 
     # Serialization and callbacks
@@ -480,6 +495,49 @@ class _Keras3Adapter:
         )(cls)
 
     callback_base = keras.callbacks.Callback
+
+    # Resuming mid-epoch (`ResumableBackup`)
+
+    # Keras 3 saves weights, optimizer and the accumulation window only in
+    # its `.weights.h5` format.
+    backup_suffix = ".weights.h5"
+
+    def backup_files(self, path):
+        """The files `model.save_weights(path)` writes."""
+        return [path]
+
+    def start_at_epoch(self, model, epoch):
+        """Makes the `fit` now starting (in `on_train_begin`) begin at `epoch`.
+
+        `fit` reads `_initial_epoch` (private; what Keras'
+        `BackupAndRestore` sets) right after `on_train_begin`.
+        """
+        model._initial_epoch = epoch
+
+    def clear_start_epoch(self, model):
+        # Keras never resets it: a later `fit` would start there too.
+        model._initial_epoch = None
+
+    def steps_per_execution(self, model):
+        return model.steps_per_execution
+
+    def build_optimizer_for_restore(self, optimizer, variables):
+        """Creates the optimizer's slots before a checkpoint is loaded."""
+        self.build_optimizer(optimizer, variables)
+
+
+class _ResumeCounters:
+    """What tf_keras' `fit` asks `model._training_state` for (private)."""
+
+    def __init__(self, epoch):
+        self.epoch = epoch
+
+    def maybe_load_initial_counters_from_ckpt(self, steps_per_epoch,
+                                              initial_epoch, mode=None):
+        del steps_per_epoch, initial_epoch, mode
+        # Step 0: the callback skips the consumed batches itself (tf_keras'
+        # own initial step shortens the epoch without skipping its data).
+        return self.epoch, 0
 
 
 class _TfKerasAdapter(_Keras3Adapter):
@@ -569,6 +627,37 @@ class _TfKerasAdapter(_Keras3Adapter):
     def is_loss_scale_optimizer(self, optimizer):
         return isinstance(optimizer, keras.mixed_precision.LossScaleOptimizer)
 
+    # tf_keras' `.h5` weights leave out the optimizer; its TensorFlow
+    # checkpoint format keeps the optimizer and the accumulation window.
+    backup_suffix = ""
+
+    def backup_files(self, path):
+        directory = os.path.dirname(path)
+        prefix = os.path.basename(path)
+        return [
+            os.path.join(directory, name)
+            for name in os.listdir(directory or ".")
+            if name.startswith(prefix + ".")
+        ]
+
+    def start_at_epoch(self, model, epoch):
+        # Read by tf_keras' `fit` right after `on_train_begin`, as its own
+        # BackupAndRestore's worker training state is.
+        model._training_state = _ResumeCounters(epoch)
+
+    def clear_start_epoch(self, model):
+        model._training_state = None
+
+    def steps_per_execution(self, model):
+        # Private: tf_keras keeps it in a variable.
+        return int(model._steps_per_execution.numpy())
+
+    def build_optimizer_for_restore(self, optimizer, variables):
+        # `_built` (private) is set by `build`, absent before it.
+        inner = self.inner_optimizer(optimizer)
+        if hasattr(inner, "build") and not getattr(inner, "_built", False):
+            inner.build(variables)
+
     def track_state(self, model, engine):
         # tf_keras' BackupAndRestore and `save_weights` in TF format write
         # `tf.train.Checkpoint`s of the model. A checkpoint dependency added
@@ -654,7 +743,9 @@ class _TfKerasAdapter(_Keras3Adapter):
             reduction = reductions.get(
                 getattr(loss_obj, "reduction", "auto"), "sum_over_batch_size"
             )
-            terms.append((reduction, y_p, sw, self.keras_mask(y_p)))
+            terms.append(
+                (reduction, y_t, y_p, sw, self.keras_mask(y_p), loss_obj)
+            )
         return terms
 
 

@@ -12,6 +12,7 @@ from accum_model import _noise_scale
 from accum_model import _normalizers
 from accum_model import _optimizer
 from accum_model._accumulator import GradientAccumulator
+from accum_model._window import LEGACY_STATE_TAIL
 from accum_model._window import validate_accum_steps
 
 ADAPTER = _keras.ADAPTER
@@ -334,6 +335,38 @@ class AccumModel(
         engine = self._accumulation.engine
         return 0 if engine is None else int(engine.skipped_steps)
 
+    @property
+    def discarded_windows(self):
+        """Int. Windows discarded, not applied, for non-finite gradients.
+
+        A window whose accumulated gradients hold an `inf` or `NaN` is never
+        applied, whether a full window, the epoch-end apply or
+        `apply_accumulated()` closes it: it is discarded whole, counted here
+        (over the life of the model; also in the training logs as
+        `"discarded_windows"` when a `LossScaleOptimizer` is in use) and a
+        warning says so. The weights stay those
+        of the last finite update, so `TerminateOnNaN` stops on finite
+        weights.
+        """
+        engine = self._accumulation.engine
+        return 0 if engine is None else int(engine.discarded_windows)
+
+    def _warn_if_discarded(self):
+        # Read once per epoch or flush, never per step: a host read would
+        # wait for the step.
+        state = self._accumulation
+        discarded = self.discarded_windows
+        if discarded > state.warned_discarded:
+            warnings.warn(
+                f"{discarded - state.warned_discarded} window(s) of "
+                "accumulated gradients held inf or NaN and were discarded, "
+                "not applied (the weights are those of the last finite "
+                f"update; {discarded} discarded in all, "
+                "`model.discarded_windows`).",
+                stacklevel=3,
+            )
+        state.warned_discarded = discarded
+
     # Training
 
     def accumulate_gradients(self, grads, weight=1.0):
@@ -424,6 +457,11 @@ class AccumModel(
                     self, engine.noise_scale.b_simple
                 )
             if scaling:
+                # Where non-finite gradients are expected; elsewhere the
+                # logs stay those of plain fit (a warning reports them).
+                logs["discarded_windows"] = ADAPTER.replica_log(
+                    self, engine.discarded_windows
+                )
                 logs["skipped_microbatches"] = ADAPTER.replica_log(
                     self, engine.skipped_steps
                 )
@@ -460,6 +498,9 @@ class AccumModel(
     def apply_accumulated(self):
         """Applies a pending, partly filled window now (no-op when empty).
 
+        A window whose gradients are not all finite is discarded instead
+        (see `discarded_windows`), with a warning.
+
         Returns:
             Bool: whether an update was applied.
         """
@@ -470,7 +511,11 @@ class AccumModel(
             return False
         if self._flush_function is None:
             self._flush_function = self._make_flush_function(engine)
-        return bool(self._flush_function())
+        discarded = int(engine.discarded_windows)
+        closed = bool(self._flush_function())
+        applied = closed and int(engine.discarded_windows) == discarded
+        self._warn_if_discarded()
+        return applied
 
     def _make_flush_function(self, engine):
         strategy = self.distribute_strategy
@@ -842,6 +887,7 @@ class _EpochEndFlush(ADAPTER.callback_base):
     def on_epoch_end(self, epoch, logs=None):
         _warn_once_on_bypass(self.model)
         self._flush()
+        self.model._warn_if_discarded()
 
     def _flush(self):
         if self.model.epoch_end == "apply":
@@ -863,6 +909,7 @@ class _AccumulationState(ADAPTER.saveable_base):
         self._model_ref = weakref.ref(model)
         self.engine = None
         self.warned_batchnorm = False
+        self.warned_discarded = 0
         # Whether a traced step went through the window (`train_step` or
         # `accumulate_gradients`), and whether the model warned it did not.
         self.stepped = False
@@ -936,13 +983,20 @@ class _AccumulationState(ADAPTER.saveable_base):
             return
         engine = self.build()
         state = engine.state_variables
-        if len(keys) != len(state):
+        if len(keys) not in (len(state), len(state) - LEGACY_STATE_TAIL):
             raise ValueError(
                 "The saved accumulation state does not match this model: "
                 f"expected {len(state)} variables, received {len(keys)}."
             )
-        for i, v in enumerate(state):
+        for i, v in enumerate(state[: len(keys)]):
             v.assign(store[str(i)])
+        for v in state[len(keys):]:
+            v.assign(tf.zeros_like(v))
+        # Discarded before the save: warned about then.
+        self.warned_discarded = int(engine.discarded_windows)
+        # The saved window came from steps through it: applicable at once.
+        if int(engine.micro_step) > 0:
+            self.stepped = True
 
 
 def _warn_once_on_bypass(model):

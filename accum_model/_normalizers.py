@@ -7,11 +7,16 @@ the same for every micro-batch. The default (`loss_normalizer`) reads the
 rule from the compiled loss, per output:
 
 - reduction "sum_over_batch_size" (Keras' default; also "mean" and tf_keras'
-  "auto"): the number of samples, or, when the output carries a Keras mask
-  (e.g. `Embedding(mask_zero=True)` upstream), the number of valid (unmasked)
-  elements, which is what Keras divides a masked loss by;
+  "auto"): the number of loss elements, that is of values the loss function
+  returns before reduction (one per sample for per-sample losses, one per
+  token for per-token losses, whatever the sequence length of the
+  micro-batch), or, when the output carries a Keras mask (e.g.
+  `Embedding(mask_zero=True)` upstream), the number of valid (unmasked)
+  elements, which is what Keras divides a masked loss by; sample weights
+  multiply the values and do not change the count;
 - "mean_with_sample_weight" (Keras 3): the sum of the sample weights (of the
-  valid elements, with a mask); the number of samples when there are none;
+  valid elements, with a mask), as Keras sums them; the number of loss
+  elements when there are none;
 - "sum" and "none": 1 (a sum has no normalizer: the window applies the mean
   of the micro-batches' summed gradients).
 
@@ -57,15 +62,91 @@ def _expand_to_rank(tensor, rank):
     return tensor
 
 
-def term_normalizer(reduction, y_pred, sample_weight, mask, samples):
+def _static_spec(tensor):
+    return tf.TensorSpec(tensor.shape, tensor.dtype)
+
+
+def _loss_values_rank(loss_fn, y_true, y_pred):
+    """The rank of `loss_fn`'s unreduced values, or None if unknown.
+
+    Found by tracing the loss's `call` on symbolic inputs of the same static
+    shapes (in a graph of its own, which runs nothing), so a loss that
+    reduces other axes than the last (e.g. CTC, per sample) is counted as
+    it reduces.
+    """
+    call = getattr(loss_fn, "call", None)
+    if call is None or y_true is None:
+        return None
+    specs = (_static_spec(y_true), _static_spec(y_pred))
+    # Once per loss and shapes: an eager step must not trace every time.
+    if any(s.shape.rank is None for s in specs):
+        return None
+    cache = getattr(loss_fn, "__dict__", {}).setdefault(
+        "_accum_model_values_rank", {}
+    )
+    key = tuple((tuple(s.shape.as_list()), s.dtype.name) for s in specs)
+    if key not in cache:
+        try:
+            concrete = tf.function(
+                call, autograph=False
+            ).get_concrete_function(*specs)
+            cache[key] = concrete.structured_outputs.shape.rank
+        except Exception:  # noqa: BLE001 (untraceable alone: last axis)
+            cache[key] = None
+    return cache[key]
+
+
+def loss_elements(loss_fn, y_true, y_pred, samples):
+    """How many values a loss term's reduction averages.
+
+    What Keras' `"sum_over_batch_size"` divides by: the number of elements
+    of the loss function's unreduced output (one per sample for per-sample
+    losses, one per token for per-token losses). Those are the leading axes
+    of `y_pred` that the loss keeps; when the loss cannot be traced alone,
+    every axis but the last, as Keras' built-in losses reduce it. A loss
+    that returns a scalar has averaged over the samples itself.
+
+    Args:
+        loss_fn: The term's Keras `Loss` (anything with `call(y_true,
+            y_pred)`), or None.
+        y_true: The term's targets, or None when unknown.
+        y_pred: The term's prediction.
+        samples: Float32 scalar, the micro-batch's number of samples.
+
+    Returns:
+        `(key, count)`: `count` a float32 scalar tensor, and `key` equal for
+        counts proportional to the number of samples.
+    """
+    rank = _loss_values_rank(loss_fn, y_true, y_pred)
+    if rank is None:
+        rank = max((y_pred.shape.rank or 1) - 1, 0)
+    # Keras broadcasts a (batch,) target against a (batch, 1) prediction;
+    # the values keep at most the prediction's rank.
+    rank = min(rank, y_pred.shape.rank or 0)
+    if rank <= 1:
+        return ("samples",), samples
+    inner = y_pred.shape[1:rank]
+    if inner.is_fully_defined():
+        # A fixed number of elements per sample: proportional to samples.
+        return ("samples",), samples * float(inner.num_elements())
+    return (
+        ("elements", id(y_pred)),
+        tf.cast(tf.reduce_prod(tf.shape(y_pred)[:rank]), tf.float32),
+    )
+
+
+def term_normalizer(reduction, y_true, y_pred, sample_weight, mask, loss_fn,
+                    samples):
     """One compiled loss term's normalizer and a key for what it counts.
 
     Args:
         reduction: "sum_over_batch_size", "mean_with_sample_weight", "sum" or
             "none".
+        y_true: The term's targets, or None when unknown.
         y_pred: The term's prediction.
         sample_weight: The term's sample weights, or None.
         mask: The Keras mask `y_pred` carries, or None.
+        loss_fn: The term's Keras `Loss`, or None.
         samples: Float32 scalar, the micro-batch's number of samples.
 
     Returns:
@@ -73,7 +154,6 @@ def term_normalizer(reduction, y_pred, sample_weight, mask, samples):
         whose keys are equal have proportional normalizers in every
         micro-batch.
     """
-    del y_pred  # The count of samples stands for its (fixed) element count.
     if reduction in ("sum", "none"):
         return ("one",), tf.constant(1.0)
     weights = None
@@ -90,7 +170,7 @@ def term_normalizer(reduction, y_pred, sample_weight, mask, samples):
         )
     if weights is not None:
         return ("weights", id(sample_weight)), tf.reduce_sum(weights)
-    return ("samples",), samples
+    return loss_elements(loss_fn, y_true, y_pred, samples)
 
 
 def loss_normalizer(adapter, model, x, y, y_pred, sample_weight):

@@ -28,6 +28,11 @@ _ON_READ = tf.VariableSynchronization.ON_READ
 _SUM = tf.VariableAggregation.SUM
 _FIRST = tf.VariableAggregation.ONLY_FIRST_REPLICA
 
+# The last variables of `Window.state_variables` that files saved by earlier
+# versions lack: which variables received gradients (then known again from
+# the next traced step) and the count of discarded windows (then 0).
+LEGACY_STATE_TAIL = 2
+
 
 def validate_accum_steps(accum_steps):
     """Returns `accum_steps` as a Python int, or raises `ValueError`.
@@ -73,6 +78,10 @@ class Window(tf.Module):
         TypeError: If `noise_scale` is not one of the above.
     """
 
+    # Whether a close checks that the window is finite; off only in
+    # benchmarks/bench_fit.py (`--finite_check_cost`), to time the check.
+    _check_finite = True
+
     def __init__(self, variables, accum_steps=1, noise_scale=False,
                  name=None):
         accum_steps = validate_accum_steps(accum_steps)
@@ -83,9 +92,11 @@ class Window(tf.Module):
         self._on_apply = []
         # Variables of the apply hooks' own windows, saved with the engine.
         self._hook_state = []
-        # Which variables ever received a gradient, known at trace time: the
-        # others get `None` at apply, as plain training gives them (so the
-        # optimizer neither decays nor counts them, and warns as Keras does).
+        # Which variables ever received a gradient: the others get `None` at
+        # apply, as plain training gives them (so the optimizer neither
+        # decays nor counts them, and warns as Keras does). Known when a
+        # step is traced, and saved (`_received_flags`) so that a restored
+        # window can be applied before any step is traced.
         self._received = [False] * len(variables)
         with tf.init_scope(), tf.name_scope(self.name):
             self._accum_steps = tf.Variable(
@@ -102,6 +113,14 @@ class Window(tf.Module):
             self._micro_step = self._counter("micro_step")
             self._contributed = self._counter("contributed_steps")
             self._skipped = self._counter("skipped_steps")
+            self._discarded = self._counter("discarded_windows")
+            self._received_flags = tf.Variable(
+                tf.zeros([len(variables)], tf.int64),
+                trainable=False,
+                name="received",
+                synchronization=_ON_READ,
+                aggregation=_FIRST,
+            )
             self._weight_sum = tf.Variable(
                 0.0,
                 dtype=tf.float32,
@@ -168,6 +187,16 @@ class Window(tf.Module):
         return self._skipped.read_value()
 
     @property
+    def discarded_windows(self):
+        """Int64 tensor. Windows not applied: their gradients were not finite.
+
+        A window whose accumulated gradients hold an `inf` or `NaN` (on any
+        replica) is discarded whole when it closes, whatever closes it, and
+        counted here; the weights stay those of the last finite update.
+        """
+        return self._discarded.read_value()
+
+    @property
     def noise_scale(self):
         """The gradient noise scale measurement, or None when off.
 
@@ -192,6 +221,8 @@ class Window(tf.Module):
         What a checkpoint of the window must hold (`AccumModel` saves them
         with the model); also what the accumulation costs in memory.
         """
+        # Appended ones last: a file saved without them still loads (see
+        # `LEGACY_STATE_TAIL`).
         return [
             self._micro_step,
             self._window_steps,
@@ -201,7 +232,10 @@ class Window(tf.Module):
         ] + self._accumulators + self._hook_state + (
             [] if self._noise_scale is None
             else self._noise_scale.state_variables
-        )
+        ) + [
+            self._received_flags,
+            self._discarded,
+        ]
 
     # For the package's front ends (`GradientAccumulator`, `AccumModel`) and
     # the layers that keep a window of their own (`AccumBatchNormalization`).
@@ -246,9 +280,13 @@ class Window(tf.Module):
         """
         grads = self._checked(grads)
         weight = tf.cast(weight, tf.float32)
-        for i, g in enumerate(grads):
-            if g is not None:
-                self._received[i] = True
+        # Python state, shared by the replicas' traces: only ever grows, and
+        # every replica computes the same union, whatever the trace order.
+        self._received = [
+            r or g is not None for r, g in zip(self._received, grads)
+        ]
+        received_flags = tf.constant([int(r) for r in self._received],
+                                     tf.int64)
 
         # The window's first contribution overwrites what the last window
         # left, so no pass is spent zeroing the accumulators; one `tf.cond`
@@ -270,6 +308,8 @@ class Window(tf.Module):
                 dense.append((acc, g if weighted else g * weight))
 
         def overwrite():
+            # Once per window, before anything of it can be saved.
+            self._received_flags.assign(received_flags)
             for acc, g in dense:
                 acc.assign(g)
             for acc in absent + [acc for acc, _ in sparse]:
@@ -306,6 +346,59 @@ class Window(tf.Module):
             tf.cond(is_finite, add, skip)
         self._micro_step.assign_add(1)
 
+    def _receiving(self):
+        """Per variable: whether it gets a gradient at apply (trace time).
+
+        What traced steps have seen, joined with what was saved: a window
+        restored from a file or checkpoint is applicable before any step.
+        """
+        if all(self._received):
+            return self._received
+        # Read eagerly, without `merge_call`: under a strategy every replica
+        # reads its own copy (all equal), so the replicas' traces stay alike
+        # whichever of them updates the shared Python list first.
+        with tf.init_scope():
+            saved = self._received_flags.numpy()
+        self._received = [
+            r or bool(s) for r, s in zip(self._received, saved)
+        ]
+        return self._received
+
+    def _all_finite(self):
+        """Bool scalar: whether the window is finite on every replica.
+
+        In replica context, once per window. Under a strategy the replicas'
+        counts are summed, so the decision is the same on every replica.
+        """
+        accumulators = self._accumulators + [self._weight_sum]
+
+        def exact():
+            bad = [
+                tf.logical_not(tf.reduce_all(tf.math.is_finite(v)))
+                for v in accumulators
+            ]
+            return tf.reduce_sum(tf.cast(tf.stack(bad), tf.float32))
+
+        # A finite sum proves every element finite (an inf or NaN makes it
+        # inf or NaN), with one read of each accumulator and no temporary.
+        # Only a sum that is not finite (a non-finite element, or finite
+        # values summing past float32's range) pays for the exact count.
+        sums = tf.stack([tf.reduce_sum(v) for v in accumulators])
+        sums_finite = tf.reduce_all(tf.math.is_finite(sums))
+        if _control_flow.in_xla_context():
+            # XLA would run both branches of a conditional.
+            bad = exact()
+        else:
+            bad = tf.cond(sums_finite, lambda: tf.constant(0.0), exact)
+        if _control_flow.in_replica_context_of_strategy():
+            bad = tf.distribute.get_replica_context().all_reduce(
+                tf.distribute.ReduceOp.SUM, bad
+            )
+        return tf.equal(bad, 0.0)
+
+    def _discard(self):
+        self._discarded.assign_add(1)
+
     def _close_if_full(self, apply_fn):
         """Closes the window when it holds `window_steps` micro-batches."""
         return self._close_if(
@@ -327,15 +420,19 @@ class Window(tf.Module):
         # that does not close a window runs none of it. A window whose
         # micro-batches were all left out applies nothing. No pass over the
         # accumulators: the next window's first contribution overwrites them.
+        # A window that is not finite is discarded, never applied.
+        receiving = self._receiving()
         _control_flow.close_if(
             should_close,
             apply_if=lambda: self._contributed > 0,
-            apply_fn=lambda: self._apply_mean(apply_fn),
+            apply_fn=lambda: self._apply_mean(apply_fn, receiving),
             then=self._reset_window,
+            check=self._all_finite if self._check_finite else None,
+            on_failed_check=self._discard,
         )
         return should_close
 
-    def _apply_mean(self, apply_fn):
+    def _apply_mean(self, apply_fn, receiving):
         # In replica context. The weight sum is global: replicas may hold
         # unequal (even empty) shards of a global batch.
         weight_sum = self._weight_sum.read_value()
@@ -363,10 +460,14 @@ class Window(tf.Module):
         # One multiply per element; a zero weight sum (all samples weighted
         # 0) gives a zero gradient, as the large batch's zero loss would.
         inverse = tf.math.divide_no_nan(1.0, weight_sum)
+        if not any(receiving):
+            # No step of this engine, nor the state it was restored from, has
+            # given a gradient: nothing was accumulated that could apply.
+            return
         grads = [
             tf.cast(acc * inverse, v.dtype) if received else None
             for acc, v, received in zip(
-                self._accumulators, self._variables, self._received
+                self._accumulators, self._variables, receiving
             )
         ]
         apply_fn(grads, self._variables)

@@ -136,6 +136,9 @@ def _data(case):
         # Beyond float16's 65504: the micro-batch holding this sample
         # overflows on the one replica whose shard holds it.
         x[index] = 1e6
+    for index in case.get("nan", []):
+        # A NaN gradient in the one replica whose shard holds this sample.
+        x[index] = np.nan
     return x, y
 
 
@@ -198,6 +201,8 @@ def _fit(strategy, case):
     if case.get("loss_scale"):
         extra["loss_scale"] = float(ADAPTER.loss_scale(model.optimizer))
         extra["skipped_microbatches"] = model.skipped_microbatches
+    if case.get("nan"):
+        extra["discarded_windows"] = model.discarded_windows
     return {
         **extra,
         "replicas": replicas,

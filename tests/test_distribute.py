@@ -75,6 +75,16 @@ _OVERFLOW_CASES = {
         kept_windows=[[0], [2, 3]],
     ),
 }
+# Sample 6 is NaN: in global micro-batch 1 (samples 4-7), in replica 1's
+# shard (6, 7) only. Window (0, 1) must be discarded on both replicas (a
+# replica-local decision would apply on replica 0 alone, and its gradient
+# all-reduce would wait for replica 1 for ever); window (2, 3) applies.
+_NAN_CASES = {
+    "sgd_nan_window_one_replica": dict(
+        optimizer="sgd", n=16, micro=2, steps=2, epochs=1, nan=[6],
+        kept_windows=[[2, 3]],
+    ),
+}
 # Cases that are not compared with the large batch.
 _OTHER_CASES = {
     # Keras' own train_step (with only the MWMS workarounds), for the
@@ -111,7 +121,7 @@ _LOOP_CASES = {
 
 def _cases(multi_worker):
     cases = dict(_FIT_CASES, **_LOOP_CASES, **_OVERFLOW_CASES,
-                 **_OTHER_CASES, **_NOISE_SCALE_CASES)
+                 **_NAN_CASES, **_OTHER_CASES, **_NOISE_SCALE_CASES)
     if multi_worker and not LEGACY:
         cases.update(_WORKAROUND_CASES)
     return [dict(case, name=name) for name, case in cases.items()]
@@ -341,6 +351,29 @@ class _DistributeTestBase(tf.test.TestCase, parameterized.TestCase):
             )
         # Halved once, from 256.
         self.assertEqual(result["loss_scale"], 128.0)
+
+    @parameterized.named_parameters((name, name) for name in _NAN_CASES)
+    def test_non_finite_window_is_discarded_on_every_replica(self, name):
+        case = _NAN_CASES[name]
+        result = self._result(name)
+        x, y = tu.regression_data(case["n"], seed=case.get("seed", 0))
+        micro = case["micro"] * _REPLICAS
+        model = tu.mlp(keras.Model)
+        model.set_weights(
+            [np.asarray(w, np.float32) for w in result["initial"]]
+        )
+        model.compile(optimizer=tu.OPTIMIZERS[case["optimizer"]](),
+                      loss="mse")
+        expected = []
+        for window in case["kept_windows"]:
+            rows = np.concatenate(
+                [np.arange(k * micro, (k + 1) * micro) for k in window]
+            )
+            model.train_on_batch(x[rows], y[rows])
+            expected.append(model.get_weights())
+        tu.assert_same_trajectory(self, expected, self._actual(result))
+        self.assertEqual(result["iterations"], len(case["kept_windows"]))
+        self.assertEqual(result["discarded_windows"], 1)
 
     def _gradient_reductions(self, result):
         # A batch with one tensor per trainable variable is the optimizer's

@@ -73,6 +73,138 @@ def _three_runs(build, x, y, micro, steps, loss, epochs=1, **fit_kwargs):
     return expected, got_exact, got_naive
 
 
+def bucket_model(cls, seed=0, **kwargs):
+    """Per-token logits for sequences of any length, without a mask."""
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((None,), dtype="int32")
+    h = keras.layers.Embedding(_VOCAB, 4)(inputs)
+    h = keras.layers.Dense(4, activation="tanh")(h)
+    outputs = keras.layers.Dense(_CLASSES)(h)
+    return cls(inputs=inputs, outputs=outputs, **kwargs)
+
+
+# (samples, length) of each micro-batch: two windows of 2, whose token
+# counts differ 24 to 8 and 10 to 12 (sample counts 4:4 and 2:4).
+_BUCKETS = [(4, 6), (4, 2), (2, 5), (4, 3)]
+
+
+def _buckets(sample_weight_shape=None, seed=3):
+    rng = np.random.default_rng(seed)
+    batches = []
+    for samples, length in _BUCKETS:
+        x = rng.integers(0, _VOCAB, size=(samples, length)).astype("int32")
+        y = rng.integers(0, _CLASSES, size=(samples, length)).astype("int32")
+        batch = [x, y]
+        if sample_weight_shape == "token":
+            batch.append(rng.uniform(0.1, 2.0, (samples, length)))
+        elif sample_weight_shape == "sample":
+            batch.append(rng.uniform(0.1, 2.0, (samples, 1)))
+        batches.append(tuple(np.asarray(b, b.dtype if b.dtype != np.float64
+                                         else "float32") for b in batch))
+    return batches
+
+
+def _bucket_dataset(batches):
+    dataset = tf.data.Dataset.from_tensors(batches[0])
+    for batch in batches[1:]:
+        dataset = dataset.concatenate(tf.data.Dataset.from_tensors(batch))
+    return dataset
+
+
+class PerSequenceCrossentropy(keras.losses.Loss):
+    """One value per sequence: its mean token loss (reduces two axes)."""
+
+    def call(self, y_true, y_pred):
+        return tf.reduce_mean(
+            keras.losses.sparse_categorical_crossentropy(
+                y_true, y_pred, from_logits=True
+            ),
+            axis=-1,
+        )
+
+
+def _bucket_windows_by_hand(model, batches, steps, lr, per_sequence=False):
+    """SGD on each window's mean over its loss elements: the sum of
+    per-token losses (times their sample weights) over the number of tokens
+    in the window, or with `per_sequence` the sum of the sequences' mean
+    token losses over the number of sequences."""
+    trajectory = []
+    for start in range(0, len(batches), steps):
+        window = batches[start:start + steps]
+        with tf.GradientTape() as tape:
+            total, tokens = 0.0, 0
+            for batch in window:
+                per_token = keras.losses.sparse_categorical_crossentropy(
+                    batch[1], model(batch[0]), from_logits=True
+                )
+                if per_sequence:
+                    per_token = tf.reduce_mean(per_token, axis=-1)
+                if len(batch) == 3:
+                    per_token = per_token * batch[2]
+                total += tf.reduce_sum(per_token)
+                tokens += int(tf.size(per_token))
+            loss = total / tokens
+        grads = tape.gradient(loss, model.trainable_variables)
+        for v, g in zip(model.trainable_variables, grads):
+            v.assign_sub(lr * tf.convert_to_tensor(g))
+        trajectory.append([np.array(w) for w in model.get_weights()])
+    return trajectory
+
+
+class SequenceBucketTest(tf.test.TestCase, parameterized.TestCase):
+    """Per-token losses over buckets of different lengths, no padding.
+
+    No plain large batch exists (the lengths differ), so the reference is
+    the window's token-level mean, differentiated by hand.
+    """
+
+    @parameterized.named_parameters(
+        ("no_weights", None, "sum_over_batch_size"),
+        ("per_token_weights", "token", "sum_over_batch_size"),
+        ("per_sample_weights", "sample", "sum_over_batch_size"),
+        ("mean_with_sample_weight_unweighted", None,
+         "mean_with_sample_weight"),
+    )
+    def test_window_is_the_token_level_mean(self, weights, reduction):
+        if reduction == "mean_with_sample_weight" and LEGACY:
+            self.skipTest("tf_keras has no mean_with_sample_weight reduction")
+        lr = 0.5
+        batches = _buckets(weights)
+        reference = bucket_model(keras.Model)
+        expected = _bucket_windows_by_hand(reference, batches, 2, lr)
+        loss = keras.losses.SparseCategoricalCrossentropy(
+            from_logits=True, reduction=reduction
+        )
+        trajectories = {}
+        for cls in (AccumModel, NaiveAccumModel):
+            model = bucket_model(cls, accum_steps=2)
+            _, trajectories[cls] = tu.train(
+                model, _bucket_dataset(batches), None, None, 1,
+                keras.optimizers.SGD(lr), loss,
+            )
+        tu.assert_same_trajectory(self, expected, trajectories[AccumModel])
+        # Weighting by samples (the rule before) is far off.
+        self.assertGreater(
+            tu.trajectory_diff(expected, trajectories[NaiveAccumModel]), 1e-3
+        )
+
+    def test_loss_reducing_the_tokens_itself_counts_sequences(self):
+        # The loss returns one value per sequence, so Keras divides by the
+        # number of sequences; counting every axis but the last would weight
+        # the micro-batches by tokens.
+        lr = 0.5
+        batches = _buckets()
+        expected = _bucket_windows_by_hand(
+            bucket_model(keras.Model), batches, 2, lr, per_sequence=True
+        )
+        model = bucket_model(AccumModel, accum_steps=2)
+        _, actual = tu.train(
+            model, _bucket_dataset(batches), None, None, 1,
+            keras.optimizers.SGD(lr), PerSequenceCrossentropy(),
+        )
+        tu.assert_same_trajectory(self, expected, actual)
+
+
 class MaskedLossTest(tf.test.TestCase, parameterized.TestCase):
     @parameterized.named_parameters(("rnn", True), ("dense", False))
     def test_padded_sequences_match_large_batch(self, rnn):
