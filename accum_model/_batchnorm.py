@@ -247,18 +247,14 @@ class AccumBatchNormalization(keras.layers.BatchNormalization):
                 new_variance = moving_variance * self.momentum + variance * (
                     1.0 - self.momentum
                 )
-                self.moving_mean.assign(
-                    tf.where(seen, new_mean, moving_mean)
-                )
+                self.moving_mean.assign(tf.where(seen, new_mean, moving_mean))
                 self.moving_variance.assign(
                     tf.where(seen, new_variance, moving_variance)
                 )
         window.reset()
 
 
-AccumBatchNormalization = ADAPTER.register_serializable(
-    AccumBatchNormalization
-)
+AccumBatchNormalization = ADAPTER.register_serializable(AccumBatchNormalization)
 
 
 def _window_dtype(variable_dtype):
@@ -315,6 +311,6 @@ def replace_batchnorm(model):
 
 
 def _is_plain_batchnorm(layer):
-    return isinstance(
-        layer, keras.layers.BatchNormalization
-    ) and not callable(getattr(layer, "attach_to_accumulator", None))
+    return isinstance(layer, keras.layers.BatchNormalization) and not callable(
+        getattr(layer, "attach_to_accumulator", None)
+    )

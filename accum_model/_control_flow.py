@@ -48,9 +48,7 @@ def call_in_cross_replica_context(fn, *args):
     def merge_fn(strategy, *merged):
         return fn(*[first_replica(strategy, a) for a in merged])
 
-    return tf.distribute.get_replica_context().merge_call(
-        merge_fn, args=args
-    )
+    return tf.distribute.get_replica_context().merge_call(merge_fn, args=args)
 
 
 def first_replica(strategy, value):
@@ -94,8 +92,7 @@ def run_if(pred, fn):
     tf.cond(pred, branch, lambda: tf.constant(False))
 
 
-def close_if(pred, apply_if, apply_fn, then, check=None,
-             on_failed_check=None):
+def close_if(pred, apply_if, apply_fn, then, check=None, on_failed_check=None):
     """When `pred`: `apply_fn()` if `apply_if()` (and `check()`), then `then()`.
 
     Safe when `apply_fn` all-reduces: under a strategy both conditions are

@@ -184,8 +184,8 @@ class _Keras3Adapter:
                 },
             )
             # Saved under the name of `cls`; `cls.from_config` comes back here.
-            self._registered_names[variant] = (
-                keras.saving.get_registered_name(cls)
+            self._registered_names[variant] = keras.saving.get_registered_name(
+                cls
             )
             self._variants[cls] = variant
         return variant
@@ -369,11 +369,12 @@ class _Keras3Adapter:
     # Loss scaling (mixed_float16); rules in `_mixed_precision`.
 
     def loss_scale(self, optimizer):
-        """Float32 scalar: the scale the next micro-batch's loss is multiplied by."""
+        """Float32 scalar: the scale of the next micro-batch's loss."""
         if not optimizer.built:
             return tf.constant(float(optimizer.initial_scale), tf.float32)
-        return tf.cast(tf.convert_to_tensor(optimizer.dynamic_scale),
-                       tf.float32)
+        return tf.cast(
+            tf.convert_to_tensor(optimizer.dynamic_scale), tf.float32
+        )
 
     def loss_scale_is_variable(self, optimizer):
         """Whether the scale a loss is scaled by now is read from a variable.
@@ -424,7 +425,7 @@ class _Keras3Adapter:
         return getattr(tensor, "_keras_mask", None)
 
     def compiled_loss_terms(self, model, y, y_pred, sample_weight):
-        """The compiled loss's terms for one micro-batch, as Keras computes them.
+        """The compiled loss's terms for a micro-batch, as Keras computes them.
 
         Returns:
             A list of `(reduction, y_true, y_pred, sample_weight, mask,
@@ -490,9 +491,9 @@ class _Keras3Adapter:
         del model, engine  # Keras 3 saves it through `_AccumulationState`.
 
     def register_serializable(self, cls):
-        return keras.saving.register_keras_serializable(
-            package="accum_model"
-        )(cls)
+        return keras.saving.register_keras_serializable(package="accum_model")(
+            cls
+        )
 
     callback_base = keras.callbacks.Callback
 
@@ -532,8 +533,9 @@ class _ResumeCounters:
     def __init__(self, epoch):
         self.epoch = epoch
 
-    def maybe_load_initial_counters_from_ckpt(self, steps_per_epoch,
-                                              initial_epoch, mode=None):
+    def maybe_load_initial_counters_from_ckpt(
+        self, steps_per_epoch, initial_epoch, mode=None
+    ):
         del steps_per_epoch, initial_epoch, mode
         # Step 0: the callback skips the consumed batches itself (tf_keras'
         # own initial step shortens the epoch without skipping its data).
@@ -766,9 +768,10 @@ def _resolve_path(path, structure):
 
 def _is_multi_worker_collective(strategy):
     # Private: `_in_multi_worker_mode` is how Keras itself tells this case.
-    return isinstance(
-        strategy, tf.distribute.MultiWorkerMirroredStrategy
-    ) and strategy.extended._in_multi_worker_mode()
+    return (
+        isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy)
+        and strategy.extended._in_multi_worker_mode()
+    )
 
 
 def _num_replicas():

@@ -83,9 +83,7 @@ def all_replicas_finite(grads):
     if not flags:
         return tf.constant(True)
     # float32: every cross-device all-reduce implementation supports it.
-    bad = tf.add_n(
-        [tf.cast(tf.logical_not(f), tf.float32) for f in flags]
-    )
+    bad = tf.add_n([tf.cast(tf.logical_not(f), tf.float32) for f in flags])
     if _control_flow.in_replica_context_of_strategy():
         bad = tf.distribute.get_replica_context().all_reduce(
             tf.distribute.ReduceOp.SUM, bad
@@ -93,8 +91,9 @@ def all_replicas_finite(grads):
     return tf.equal(bad, 0.0)
 
 
-def next_scale_and_counter(scale, counter, is_finite, growth_steps,
-                           min_scale=None):
+def next_scale_and_counter(
+    scale, counter, is_finite, growth_steps, min_scale=None
+):
     """Keras' dynamic loss-scale rule, one step.
 
     Non-finite: the scale halves (not below `min_scale`, when given) and the
@@ -119,9 +118,7 @@ def next_scale_and_counter(scale, counter, is_finite, growth_steps,
     halved = scale * 0.5
     if min_scale is not None:
         halved = tf.maximum(halved, tf.cast(min_scale, scale.dtype))
-    new_scale = tf.where(
-        is_finite, tf.where(grow, scale * 2.0, scale), halved
-    )
+    new_scale = tf.where(is_finite, tf.where(grow, scale * 2.0, scale), halved)
     new_counter = tf.where(
         tf.logical_and(is_finite, tf.logical_not(grow)),
         grown,

@@ -50,9 +50,7 @@ class MultiWorkerFitWorkarounds:
         )
 
     def test_step(self, data):
-        return ADAPTER.logs_for_replica_reduction(
-            self, super().test_step(data)
-        )
+        return ADAPTER.logs_for_replica_reduction(self, super().test_step(data))
 
     def _maybe_symbolic_build(self, iterator=None, data_batch=None):
         # Keras 3 only (tf_keras never calls it).
@@ -141,8 +139,14 @@ class AccumModel(
 
     _keeps_own_bases = True
 
-    def __init__(self, *args, accum_steps=_UNSET, epoch_end=_UNSET,
-                 noise_scale=_UNSET, **kwargs):
+    def __init__(
+        self,
+        *args,
+        accum_steps=_UNSET,
+        epoch_end=_UNSET,
+        noise_scale=_UNSET,
+        **kwargs,
+    ):
         # Given to a subclass's `__init__` that did not pass them on (see
         # `_seeing_accumulation_arguments`), else the defaults.
         given = self.__dict__.get("_accum_new_kwargs", {})
@@ -206,10 +210,7 @@ class AccumModel(
     @noise_scale.setter
     def noise_scale(self, value):
         value = _noise_scale.as_config(value)
-        if (
-            value != self._noise_scale
-            and self._accumulation.engine is not None
-        ):
+        if value != self._noise_scale and self._accumulation.engine is not None:
             raise ValueError(
                 "`noise_scale` can only be set before the model is trained "
                 "(it is part of the compiled training step). Received: "
@@ -572,10 +573,11 @@ _KERAS_CONFIG_CLASSES = tuple(
     for c in c.__mro__
 )
 
+
 def _next_definer(cls, after, name):
     """The class after `after` in `cls`'s MRO that defines `name`."""
     mro = cls.__mro__
-    for c in mro[mro.index(after) + 1:]:
+    for c in mro[mro.index(after) + 1 :]:
         if name in c.__dict__:
             return c
     return None
@@ -990,7 +992,7 @@ class _AccumulationState(ADAPTER.saveable_base):
             )
         for i, v in enumerate(state[: len(keys)]):
             v.assign(store[str(i)])
-        for v in state[len(keys):]:
+        for v in state[len(keys) :]:
             v.assign(tf.zeros_like(v))
         # Discarded before the save: warned about then.
         self.warned_discarded = int(engine.discarded_windows)

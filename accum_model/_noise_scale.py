@@ -63,8 +63,7 @@ class NoiseScale:
         )
         if not is_int or every < 1:
             raise ValueError(
-                "`every` must be an integer >= 1. "
-                f"Received: every={every!r}"
+                f"`every` must be an integer >= 1. Received: every={every!r}"
             )
         if (
             isinstance(beta, bool)
@@ -72,8 +71,7 @@ class NoiseScale:
             or not 0.0 <= beta < 1.0
         ):
             raise ValueError(
-                "`beta` must be a float in [0, 1). "
-                f"Received: beta={beta!r}"
+                f"`beta` must be a float in [0, 1). Received: beta={beta!r}"
             )
         self.every = int(every)
         self.beta = float(beta)
@@ -223,9 +221,7 @@ class NoiseScaleEstimator(tf.Module):
             self._n = self._variable("micro_batches", 0.0, _SUM)
             # Windows closed since the start (measured or not): which ones
             # to measure.
-            self._windows = self._variable(
-                "windows", 0, _FIRST, tf.int64
-            )
+            self._windows = self._variable("windows", 0, _FIRST, tf.int64)
             # Smoothed over measured windows; equal on every replica.
             self._measurements = self._variable("measurements", 0.0)
             self._ema_trace = self._variable("ema_trace_sigma", 0.0)

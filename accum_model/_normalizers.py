@@ -87,9 +87,9 @@ def _loss_values_rank(loss_fn, y_true, y_pred):
     key = tuple((tuple(s.shape.as_list()), s.dtype.name) for s in specs)
     if key not in cache:
         try:
-            concrete = tf.function(
-                call, autograph=False
-            ).get_concrete_function(*specs)
+            concrete = tf.function(call, autograph=False).get_concrete_function(
+                *specs
+            )
             cache[key] = concrete.structured_outputs.shape.rank
         except Exception:  # noqa: BLE001 (untraceable alone: last axis)
             cache[key] = None
@@ -135,8 +135,9 @@ def loss_elements(loss_fn, y_true, y_pred, samples):
     )
 
 
-def term_normalizer(reduction, y_true, y_pred, sample_weight, mask, loss_fn,
-                    samples):
+def term_normalizer(
+    reduction, y_true, y_pred, sample_weight, mask, loss_fn, samples
+):
     """One compiled loss term's normalizer and a key for what it counts.
 
     Args:

@@ -51,8 +51,15 @@ def apply_fn(optimizer):
     return apply
 
 
-def add_micro_batch(window, grads, weight, optimizer, weighted=False,
-                    gradient_scale=None, is_finite=None):
+def add_micro_batch(
+    window,
+    grads,
+    weight,
+    optimizer,
+    weighted=False,
+    gradient_scale=None,
+    is_finite=None,
+):
     """Adds one micro-batch's gradients to `window`, as `optimizer` needs.
 
     With a `LossScaleOptimizer` (mixed precision) the gradients are those of

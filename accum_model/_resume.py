@@ -223,8 +223,7 @@ class ResumableBackup(ADAPTER.callback_base):
         # an interruption while saving leaves the previous backup whole.
         temporary = self._metadata_path() + ".tmp"
         with open(temporary, "w") as f:
-            json.dump({"epoch": epoch, "batches": batches, "weights": name},
-                      f)
+            json.dump({"epoch": epoch, "batches": batches, "weights": name}, f)
         os.replace(temporary, self._metadata_path())
         self._since_save = 0
         if previous is not None and previous["weights"] != name:
@@ -234,4 +233,3 @@ class ResumableBackup(ADAPTER.callback_base):
         for path in ADAPTER.backup_files(os.path.join(directory, name)):
             if os.path.exists(path):
                 os.remove(path)
-

@@ -8,9 +8,7 @@ from accum_model._window import validate_accum_steps
 
 
 def _check_int(name, value, minimum):
-    is_int = isinstance(value, numbers.Integral) and not isinstance(
-        value, bool
-    )
+    is_int = isinstance(value, numbers.Integral) and not isinstance(value, bool)
     if not is_int or value < minimum:
         raise ValueError(
             f"`{name}` must be an integer >= {minimum}. "
@@ -20,7 +18,10 @@ def _check_int(name, value, minimum):
 
 
 def accum_steps_for_noise_scale(
-    b_simple, micro_batch_weight, factor=1.0, min_accum_steps=1,
+    b_simple,
+    micro_batch_weight,
+    factor=1.0,
+    min_accum_steps=1,
     max_accum_steps=None,
 ):
     """The rule `clip(round(factor * B_simple / micro_batch), min, max)`.

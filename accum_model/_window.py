@@ -82,8 +82,7 @@ class Window(tf.Module):
     # benchmarks/bench_fit.py (`--finite_check_cost`), to time the check.
     _check_finite = True
 
-    def __init__(self, variables, accum_steps=1, noise_scale=False,
-                 name=None):
+    def __init__(self, variables, accum_steps=1, noise_scale=False, name=None):
         accum_steps = validate_accum_steps(accum_steps)
         noise_scale = _noise_scale.as_config(noise_scale)
         variables = list(variables)
@@ -223,19 +222,26 @@ class Window(tf.Module):
         """
         # Appended ones last: a file saved without them still loads (see
         # `LEGACY_STATE_TAIL`).
-        return [
-            self._micro_step,
-            self._window_steps,
-            self._contributed,
-            self._skipped,
-            self._weight_sum,
-        ] + self._accumulators + self._hook_state + (
-            [] if self._noise_scale is None
-            else self._noise_scale.state_variables
-        ) + [
-            self._received_flags,
-            self._discarded,
-        ]
+        return (
+            [
+                self._micro_step,
+                self._window_steps,
+                self._contributed,
+                self._skipped,
+                self._weight_sum,
+            ]
+            + self._accumulators
+            + self._hook_state
+            + (
+                []
+                if self._noise_scale is None
+                else self._noise_scale.state_variables
+            )
+            + [
+                self._received_flags,
+                self._discarded,
+            ]
+        )
 
     # For the package's front ends (`GradientAccumulator`, `AccumModel`) and
     # the layers that keep a window of their own (`AccumBatchNormalization`).
@@ -285,8 +291,7 @@ class Window(tf.Module):
         self._received = [
             r or g is not None for r, g in zip(self._received, grads)
         ]
-        received_flags = tf.constant([int(r) for r in self._received],
-                                     tf.int64)
+        received_flags = tf.constant([int(r) for r in self._received], tf.int64)
 
         # The window's first contribution overwrites what the last window
         # left, so no pass is spent zeroing the accumulators; one `tf.cond`
@@ -359,9 +364,7 @@ class Window(tf.Module):
         # whichever of them updates the shared Python list first.
         with tf.init_scope():
             saved = self._received_flags.numpy()
-        self._received = [
-            r or bool(s) for r, s in zip(self._received, saved)
-        ]
+        self._received = [r or bool(s) for r, s in zip(self._received, saved)]
         return self._received
 
     def _all_finite(self):
@@ -401,9 +404,7 @@ class Window(tf.Module):
 
     def _close_if_full(self, apply_fn):
         """Closes the window when it holds `window_steps` micro-batches."""
-        return self._close_if(
-            self._micro_step >= self._window_steps, apply_fn
-        )
+        return self._close_if(self._micro_step >= self._window_steps, apply_fn)
 
     def _close_if(self, should_close, apply_fn):
         """Applies and empties the window when `should_close` holds.

@@ -36,19 +36,25 @@ from absl import logging  # noqa: E402
 from tests import loopback_cluster  # noqa: E402
 
 _WORKER_INDEX = flags.DEFINE_integer(
-    "worker_index", None, "Internal: run as this worker of the cluster.")
+    "worker_index", None, "Internal: run as this worker of the cluster."
+)
 _WORKERS = flags.DEFINE_integer("workers", 2, "Worker processes.")
 _STEPS = flags.DEFINE_integer(
-    "steps", 16, "Micro-steps per epoch (a multiple of 8).")
+    "steps", 16, "Micro-steps per epoch (a multiple of 8)."
+)
 _BATCH = flags.DEFINE_integer("batch_size", 8, "Micro-batch per replica.")
 _INPUT = flags.DEFINE_integer("input_dim", 1024, "Input features.")
 _HIDDEN = flags.DEFINE_integer(
-    "hidden", 4096, "Width of the two hidden layers (4096: ~21M params).")
-_ACCUM = flags.DEFINE_list("accum_steps", ["1", "4", "8"],
-                           "accum_steps values for AccumModel.")
+    "hidden", 4096, "Width of the two hidden layers (4096: ~21M params)."
+)
+_ACCUM = flags.DEFINE_list(
+    "accum_steps", ["1", "4", "8"], "accum_steps values for AccumModel."
+)
 _BUILTIN = flags.DEFINE_list(
-    "builtin_steps", ["8"],
-    "gradient_accumulation_steps values for Keras' built-in option.")
+    "builtin_steps",
+    ["8"],
+    "gradient_accumulation_steps values for Keras' built-in option.",
+)
 _TIMEOUT = flags.DEFINE_integer("timeout", 900, "Seconds for the whole run.")
 _JSON = flags.DEFINE_string("json", None, "Also write the results here.")
 
@@ -62,13 +68,19 @@ def _launch():
         for index in range(_WORKERS.value):
             env = dict(os.environ, PYTHONPATH=_ROOT)
             env["TF_CONFIG"] = loopback_cluster.tf_config(ports, index)
-            processes.append(subprocess.Popen(
-                [sys.executable, os.path.abspath(__file__),
-                 f"--worker_index={index}"] + sys.argv[1:],
-                env=env,
-                stdout=None if index == 0 else subprocess.DEVNULL,
-                stderr=None if index == 0 else subprocess.DEVNULL,
-            ))
+            processes.append(
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        os.path.abspath(__file__),
+                        f"--worker_index={index}",
+                    ]
+                    + sys.argv[1:],
+                    env=env,
+                    stdout=None if index == 0 else subprocess.DEVNULL,
+                    stderr=None if index == 0 else subprocess.DEVNULL,
+                )
+            )
         deadline = time.monotonic() + _TIMEOUT.value
         while any(p.poll() is None for p in processes):
             if time.monotonic() > deadline:
@@ -114,10 +126,13 @@ def _plain_model_class(keras, multi_worker):
 
     def with_axis(logs):
         return tf.nest.map_structure(
-            lambda v: tf.reshape(v, [1])
-            if isinstance(v, (tf.Tensor, tf.Variable)) and v.shape.rank == 0
-            else v,
-            logs)
+            lambda v: (
+                tf.reshape(v, [1])
+                if isinstance(v, (tf.Tensor, tf.Variable)) and v.shape.rank == 0
+                else v
+            ),
+            logs,
+        )
 
     class PlainModel(keras.Model):
         def train_step(self, data):
@@ -132,14 +147,18 @@ def _plain_model_class(keras, multi_worker):
                 for _, _, it in iterator:
                     local = self.distribute_strategy.experimental_local_results
                     data_batch = tf.nest.map_structure(
-                        lambda v: local(v)[0]
-                        if isinstance(v, tf.distribute.DistributedValues)
-                        else v,
-                        next(it))
+                        lambda v: (
+                            local(v)[0]
+                            if isinstance(v, tf.distribute.DistributedValues)
+                            else v
+                        ),
+                        next(it),
+                    )
                     iterator = None
                     break
             return super()._maybe_symbolic_build(
-                iterator=iterator, data_batch=data_batch)
+                iterator=iterator, data_batch=data_batch
+            )
 
     return PlainModel
 
@@ -192,14 +211,22 @@ def _run_worker():
 
     configs = [("plain fit", 1, lambda: build(PlainModel), {})]
     configs += [
-        (f"AccumModel N={n}", int(n),
-         lambda n=n: build(AccumModel, accum_steps=int(n)), {})
+        (
+            f"AccumModel N={n}",
+            int(n),
+            lambda n=n: build(AccumModel, accum_steps=int(n)),
+            {},
+        )
         for n in _ACCUM.value
     ]
     if builtin:
         configs += [
-            (f"Keras built-in N={n}", int(n), lambda: build(PlainModel),
-             {"gradient_accumulation_steps": int(n)})
+            (
+                f"Keras built-in N={n}",
+                int(n),
+                lambda: build(PlainModel),
+                {"gradient_accumulation_steps": int(n)},
+            )
             for n in _BUILTIN.value
         ]
 
@@ -215,8 +242,15 @@ def _run_worker():
                 )
             params = model.count_params()
             timer = Timer()
-            model.fit(x, y, batch_size=global_batch, epochs=2,
-                      shuffle=False, verbose=0, callbacks=[timer])
+            model.fit(
+                x,
+                y,
+                batch_size=global_batch,
+                epochs=2,
+                shuffle=False,
+                verbose=0,
+                callbacks=[timer],
+            )
             total = sum(b for _, b in timer.records)
             row.update(
                 params=params,
@@ -236,14 +270,19 @@ def _run_worker():
 
 
 def _print_table(rows, replicas):
-    plain = next((r for r in rows if r["run"] == "plain fit"
-                  and "error" not in r), None)
+    plain = next(
+        (r for r in rows if r["run"] == "plain fit" and "error" not in r), None
+    )
     params = next((r["params"] for r in rows if "params" in r), 0)
-    print(f"{len(rows)} runs, {replicas} workers x 1 CPU replica, "
-          f"{params / 1e6:.1f}M parameters, micro-batch {_BATCH.value} per "
-          f"replica, {_STEPS.value} timed micro-steps each")
-    print(f"{'run':<22}{'micro-steps/s':>14}{'MB all-reduced/micro-step':>27}"
-          f"{'vs plain':>10}")
+    print(
+        f"{len(rows)} runs, {replicas} workers x 1 CPU replica, "
+        f"{params / 1e6:.1f}M parameters, micro-batch {_BATCH.value} per "
+        f"replica, {_STEPS.value} timed micro-steps each"
+    )
+    print(
+        f"{'run':<22}{'micro-steps/s':>14}{'MB all-reduced/micro-step':>27}"
+        f"{'vs plain':>10}"
+    )
     for r in rows:
         if "error" in r:
             print(f"{r['run']:<22}  fails: {r['error'][:110]}")
@@ -253,14 +292,17 @@ def _print_table(rows, replicas):
         if plain:
             share = r["bytes_per_micro_step"] / plain["bytes_per_micro_step"]
             ratio = f"{share:.3f}"
-        print(f"{r['run']:<22}{r['micro_steps_per_s']:>14.2f}{mb:>27.2f}"
-              f"{ratio:>10}")
+        print(
+            f"{r['run']:<22}{r['micro_steps_per_s']:>14.2f}{mb:>27.2f}"
+            f"{ratio:>10}"
+        )
 
 
 def main(argv):
     if _STEPS.value % 8:
         raise ValueError(
-            f"`steps` must be a multiple of 8. Received: steps={_STEPS.value}")
+            f"`steps` must be a multiple of 8. Received: steps={_STEPS.value}"
+        )
     if _WORKER_INDEX.value is None:
         del argv
         _launch()

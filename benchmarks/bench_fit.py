@@ -67,20 +67,19 @@ import platform
 import statistics
 import time
 
-from absl import app
-from absl import flags
 import numpy as np
 import tensorflow as tf
+from absl import app
+from absl import flags
 
 import accum_model
 from accum_model import AccumModel
 
 keras = tf.keras
 # `tf.keras` is tf_keras (Keras 2) when TF_USE_LEGACY_KERAS=1 was set.
-LEGACY = keras.Model.__module__.startswith("tf_keras")
+TF_KERAS = keras.Model.__module__.startswith("tf_keras")
 
-CONTENDERS = ("plain_B", "accum", "builtin", "plain_NB", "floor",
-              "accum_again")
+CONTENDERS = ("plain_B", "accum", "builtin", "plain_NB", "floor", "accum_again")
 # What `accum` is compared with, in the table's order, with column titles.
 REFERENCES = {
     "plain_B": "accum / plain_B",
@@ -93,46 +92,66 @@ WORKLOADS = ("mlp", "cnn", "transformer")
 OPTIMIZERS = ("sgd", "adamw")
 
 _WORKLOADS = flags.DEFINE_list(
-    "workloads", list(WORKLOADS), f"Which of {WORKLOADS} to run.")
+    "workloads", list(WORKLOADS), f"Which of {WORKLOADS} to run."
+)
 _OPTIMIZERS = flags.DEFINE_list(
-    "optimizers", list(OPTIMIZERS), f"Which of {OPTIMIZERS} to run.")
+    "optimizers", list(OPTIMIZERS), f"Which of {OPTIMIZERS} to run."
+)
 _BATCH_SIZE = flags.DEFINE_integer("batch_size", 32, "Micro-batch size B.")
 _ACCUM_STEPS = flags.DEFINE_integer("accum_steps", 4, "N.")
 _REPEATS = flags.DEFINE_integer(
-    "repeats", 12,
+    "repeats",
+    12,
     "Interleaved timed repeats per workload and optimizer (a multiple of "
     f"the number of contenders, {len(CONTENDERS)}, or {len(CONTENDERS) - 1} "
     "under tf_keras, runs every contender equally often in every "
-    "position).")
+    "position).",
+)
 _SECONDS = flags.DEFINE_float(
-    "seconds", 1.0,
+    "seconds",
+    1.0,
     "Target duration of one timed fit of plain_B; every contender of the "
-    "repeat trains on the same number of samples.")
+    "repeat trains on the same number of samples.",
+)
 _JIT_COMPILE = flags.DEFINE_enum(
-    "jit_compile", "auto", ["auto", "true", "false"],
-    "`jit_compile` for `compile` (auto: Keras' default, XLA on GPU only).")
+    "jit_compile",
+    "auto",
+    ["auto", "true", "false"],
+    "`jit_compile` for `compile` (auto: Keras' default, XLA on GPU only).",
+)
 _CLOCK = flags.DEFINE_enum(
-    "clock", "wall", ["wall", "cpu"],
+    "clock",
+    "wall",
+    ["wall", "cpu"],
     "What the rates divide by: wall-clock seconds, or CPU seconds of the "
     "process (all threads; steadier than wall time on a machine shared with "
-    "other jobs, but it also counts threads that spin waiting for work).")
+    "other jobs, but it also counts threads that spin waiting for work).",
+)
 _QUICK = flags.DEFINE_bool(
-    "quick", False,
+    "quick",
+    False,
     "Tiny models, one repeat, a few steps: checks the program, times "
-    "nothing worth reading.")
+    "nothing worth reading.",
+)
 _JSON = flags.DEFINE_string("json", None, "Also write the results here.")
 _FINITE_CHECK_COST = flags.DEFINE_bool(
-    "finite_check_cost", False,
+    "finite_check_cost",
+    False,
     "Also time accum_unchecked: AccumModel without the once-per-window "
-    "check that the accumulated gradients are finite.")
+    "check that the accumulated gradients are finite.",
+)
 _NOISE_SCALE_EVERY = flags.DEFINE_list(
-    "noise_scale_every", [],
+    "noise_scale_every",
+    [],
     "For each k, a contender accum_gns_k<k> measuring the gradient noise "
-    "scale every k-th window.")
+    "scale every k-th window.",
+)
 _CONTENDERS = flags.DEFINE_list(
-    "contenders", [],
+    "contenders",
+    [],
     f"Only these of {CONTENDERS} (plus the accum_gns ones; accum is always "
-    "run). Default: all.")
+    "run). Default: all.",
+)
 
 
 # Workloads. Each returns (inputs, outputs, x, y): a functional graph built
@@ -144,8 +163,10 @@ class _PositionEmbedding(keras.layers.Layer):
 
     def build(self, input_shape):
         self.positions = self.add_weight(
-            shape=tuple(input_shape[1:]), initializer="glorot_uniform",
-            name="positions")
+            shape=tuple(input_shape[1:]),
+            initializer="glorot_uniform",
+            name="positions",
+        )
 
     def call(self, x):
         return x + self.positions
@@ -171,10 +192,12 @@ def _cnn(quick, samples):
     inputs = keras.Input((side, side, 3))
     h = inputs
     for i in range(2):
-        h = keras.layers.Conv2D(channels * 2**i, 3, padding="same",
-                                activation="relu")(h)
-        h = keras.layers.Conv2D(channels * 2**i, 3, padding="same",
-                                activation="relu")(h)
+        h = keras.layers.Conv2D(
+            channels * 2**i, 3, padding="same", activation="relu"
+        )(h)
+        h = keras.layers.Conv2D(
+            channels * 2**i, 3, padding="same", activation="relu"
+        )(h)
         h = keras.layers.MaxPooling2D()(h)
     h = keras.layers.GlobalAveragePooling2D()(h)
     h = keras.layers.Dense(64, activation="relu")(h)
@@ -189,7 +212,8 @@ def _transformer(quick, samples):
     # Two pre-norm encoder blocks over 64 tokens; the token embedding's
     # gradient is an IndexedSlices, so the sparse path is measured too.
     vocab, length, dim, heads, blocks = (
-        (100, 8, 16, 2, 1) if quick else (4000, 64, 64, 4, 2))
+        (100, 8, 16, 2, 1) if quick else (4000, 64, 64, 4, 2)
+    )
     inputs = keras.Input((length,), dtype="int32")
     h = keras.layers.Embedding(vocab, dim)(inputs)
     h = _PositionEmbedding()(h)
@@ -216,8 +240,9 @@ _BUILDERS = {"mlp": _mlp, "cnn": _cnn, "transformer": _transformer}
 def _optimizer(name, **kwargs):
     if name == "sgd":
         return keras.optimizers.SGD(learning_rate=0.01, **kwargs)
-    return keras.optimizers.AdamW(learning_rate=1e-3, weight_decay=0.01,
-                                  **kwargs)
+    return keras.optimizers.AdamW(
+        learning_rate=1e-3, weight_decay=0.01, **kwargs
+    )
 
 
 # Contenders. Each model class counts the Python traces of its train step.
@@ -241,10 +266,11 @@ def _tracked_loss(model, x, y, y_pred, sample_weight):
     metric weighted by the batch size, so the logged loss is a per-sample
     mean. tf_keras' `compute_loss` updates that metric itself.
     """
-    if LEGACY:
+    if TF_KERAS:
         return model.compute_loss(x, y, y_pred, sample_weight)
-    loss = model.compute_loss(x=x, y=y, y_pred=y_pred,
-                              sample_weight=sample_weight, training=True)
+    loss = model.compute_loss(
+        x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True
+    )
     batch = tf.shape(tf.nest.flatten(x)[0])[0]
     tracker = next(m for m in model.metrics if m.name == "loss")
     tracker.update_state(loss, sample_weight=batch)
@@ -286,8 +312,9 @@ def _floor_class():
                     picks.append(tf.reduce_sum(tf.cast(g, tf.float32)))
                 else:
                     picks.append(tf.cast(tf.reshape(g, [-1])[0], tf.float32))
-            logs = dict(self.compute_metrics(x, y, y_pred,
-                                             sample_weight=sample_weight))
+            logs = dict(
+                self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+            )
             logs["gradient_checksum"] = tf.add_n(picks)
             return logs
 
@@ -331,14 +358,20 @@ class _Contender:
 
     def fit(self, steps):
         self.fit_calls += 1
-        self.model.fit(self.dataset, epochs=1, steps_per_epoch=steps,
-                       shuffle=False, verbose=0, callbacks=[self.timer])
+        self.model.fit(
+            self.dataset,
+            epochs=1,
+            steps_per_epoch=steps,
+            shuffle=False,
+            verbose=0,
+            callbacks=[self.timer],
+        )
         # (wall seconds, CPU seconds of all the process's threads)
         return tuple(b - a for a, b in zip(self.timer.start, self.timer.end))
 
 
 def _contender_names(only=(), noise_scale_every=()):
-    names = [c for c in CONTENDERS if not (c == "builtin" and LEGACY)]
+    names = [c for c in CONTENDERS if not (c == "builtin" and TF_KERAS)]
     if only:
         names = [c for c in names if c in only or c == "accum"]
     if _FINITE_CHECK_COST.value:
@@ -365,8 +398,9 @@ def _unchecked(base):
     return Unchecked
 
 
-def _build_contenders(workload, optimizer, micro, n, quick, samples,
-                      only=(), noise_scale_every=()):
+def _build_contenders(
+    workload, optimizer, micro, n, quick, samples, only=(), noise_scale_every=()
+):
     builder = _BUILDERS[workload]
     contenders = []
     for name in _contender_names(only, noise_scale_every):
@@ -377,21 +411,27 @@ def _build_contenders(workload, optimizer, micro, n, quick, samples,
         elif name == "accum_unchecked":
             cls, kwargs = _unchecked(AccumModel), {"accum_steps": n}
         elif name.startswith("accum_gns_k"):
-            every = int(name[len("accum_gns_k"):])
-            cls, kwargs = _counting(AccumModel), {
-                "accum_steps": n,
-                "noise_scale": accum_model.NoiseScale(every=every)}
+            every = int(name[len("accum_gns_k") :])
+            cls, kwargs = (
+                _counting(AccumModel),
+                {
+                    "accum_steps": n,
+                    "noise_scale": accum_model.NoiseScale(every=every),
+                },
+            )
         elif name == "floor":
             cls, kwargs = _floor_class(), {}
         else:
             cls, kwargs = _counting(keras.Model), {}
         model = cls(inputs=inputs, outputs=outputs, **kwargs)
         opt_kwargs = (
-            {"gradient_accumulation_steps": n} if name == "builtin" else {})
+            {"gradient_accumulation_steps": n} if name == "builtin" else {}
+        )
         model.compile(
             optimizer=_optimizer(optimizer, **opt_kwargs),
             loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-            **_jit_kwargs())
+            **_jit_kwargs(),
+        )
         model._bench_xla = False
         batch = micro * n if name == "plain_NB" else micro
         contender = _Contender(name, model, batch)
@@ -399,7 +439,8 @@ def _build_contenders(workload, optimizer, micro, n, quick, samples,
             tf.data.Dataset.from_tensor_slices((x, y))
             .repeat()
             .batch(batch, drop_remainder=True)
-            .prefetch(tf.data.AUTOTUNE))
+            .prefetch(tf.data.AUTOTUNE)
+        )
         contenders.append(contender)
     return contenders
 
@@ -444,15 +485,27 @@ def median_interval(values, confidence=0.95):
 
 def _state_bytes(variables):
     return sum(
-        int(np.prod(v.shape)) * tf.as_dtype(v.dtype).size for v in variables)
+        int(np.prod(v.shape)) * tf.as_dtype(v.dtype).size for v in variables
+    )
 
 
-def run_one(workload, optimizer, micro, n, repeats, seconds, quick,
-            clock="wall", only=(), noise_scale_every=()):
+def run_one(
+    workload,
+    optimizer,
+    micro,
+    n,
+    repeats,
+    seconds,
+    quick,
+    clock="wall",
+    only=(),
+    noise_scale_every=(),
+):
     """Times the contenders on one workload; returns a result dict."""
     samples = max(8 * micro * n, 512 if not quick else 0)
-    contenders = _build_contenders(workload, optimizer, micro, n, quick,
-                                   samples, only, noise_scale_every)
+    contenders = _build_contenders(
+        workload, optimizer, micro, n, quick, samples, only, noise_scale_every
+    )
     by_name = {c.name: c for c in contenders}
 
     def micro_steps(c, steps):
@@ -495,8 +548,9 @@ def run_one(workload, optimizer, micro, n, repeats, seconds, quick,
         "optimizer": optimizer,
         "micro_batch": micro,
         "accum_steps": n,
-        "parameters": int(sum(np.prod(v.shape)
-                              for v in accum.trainable_variables)),
+        "parameters": int(
+            sum(np.prod(v.shape) for v in accum.trainable_variables)
+        ),
         "xla": _uses_xla(accum),
         "timed_samples_per_fit": steps * micro,
         "clock": clock,
@@ -505,7 +559,8 @@ def run_one(workload, optimizer, micro, n, repeats, seconds, quick,
         # CPU-second of the process (all threads), whichever `clock` is not.
         "samples_per_second_other_clock": cpu_rates,
         "median_samples_per_second": {
-            k: statistics.median(v) for k, v in rates.items()},
+            k: statistics.median(v) for k, v in rates.items()
+        },
         "noise_scale": {},
         "ratios": {},
         "memory": {
@@ -514,21 +569,28 @@ def run_one(workload, optimizer, micro, n, repeats, seconds, quick,
         },
         "traces": {
             "accum": type(accum).traces,
-            "plain_B": (type(by_name["plain_B"].model).traces
-                        if "plain_B" in by_name else None),
+            "plain_B": (
+                type(by_name["plain_B"].model).traces
+                if "plain_B" in by_name
+                else None
+            ),
             "fit_calls": {c.name: c.fit_calls for c in contenders},
         },
     }
     result["memory"]["accumulator_over_parameters"] = (
-        result["memory"]["accumulator_state_bytes"] / params)
+        result["memory"]["accumulator_state_bytes"] / params
+    )
     if "builtin" in by_name:
         optimizer_obj = by_name["builtin"].model.optimizer
         builtin_vars = getattr(optimizer_obj, "_accumulated_gradients", [])
         result["memory"]["builtin_accumulator_bytes"] = _state_bytes(
-            builtin_vars)
+            builtin_vars
+        )
+
     def ratio(numerator, denominator):
-        per_repeat = [a / b for a, b in zip(rates[numerator],
-                                            rates[denominator])]
+        per_repeat = [
+            a / b for a, b in zip(rates[numerator], rates[denominator])
+        ]
         low, high, coverage = median_interval(per_repeat)
         return {
             "median": statistics.median(per_repeat),
@@ -541,8 +603,7 @@ def run_one(workload, optimizer, micro, n, repeats, seconds, quick,
 
     for reference in _references():
         if reference in rates:
-            result["ratios"][f"accum/{reference}"] = ratio("accum",
-                                                            reference)
+            result["ratios"][f"accum/{reference}"] = ratio("accum", reference)
     for c in contenders:
         if c.name.startswith("accum_gns_k"):
             estimator = c.model.gradient_accumulator.noise_scale
@@ -567,8 +628,10 @@ def machine_info():
         "cpu_count": os.cpu_count(),
         "gpus": names,
         "tensorflow": tf.__version__,
-        "keras": importlib.metadata.version("tf_keras" if LEGACY else "keras"),
-        "keras_generation": 2 if LEGACY else 3,
+        "keras": importlib.metadata.version(
+            "tf_keras" if TF_KERAS else "keras"
+        ),
+        "keras_generation": 2 if TF_KERAS else 3,
         "accum_model": getattr(accum_model, "__version__", ""),
     }
 
@@ -581,16 +644,21 @@ def _fmt_ratio(r):
 
 
 def _interval_label(results):
-    coverages = {round(100 * v["interval_coverage"])
-                 for r in results for v in r["ratios"].values()}
+    coverages = {
+        round(100 * v["interval_coverage"])
+        for r in results
+        for v in r["ratios"].values()
+    }
     return "/".join(f"{c}%" for c in sorted(coverages)) or "-"
 
 
 def format_table(results):
     """The results as a Markdown table (ratios: median [interval])."""
-    header = ("| workload | optimizer | params | samples/s plain_B | "
-              + "".join(f"{title} | " for title in _references().values())
-              + "accumulator / params bytes | traces accum / plain_B |")
+    header = (
+        "| workload | optimizer | params | samples/s plain_B | "
+        + "".join(f"{title} | " for title in _references().values())
+        + "accumulator / params bytes | traces accum / plain_B |"
+    )
     lines = [header, "|" + "---|" * (header.count("|") - 1)]
     for r in results:
         ratios = r["ratios"]
@@ -599,48 +667,58 @@ def format_table(results):
             f"| {r['workload']} | {r['optimizer']} | "
             f"{r['parameters'] / 1e6:.2f}M | "
             f"{r['median_samples_per_second']['plain_B']:.0f} | "
-            + "".join(f"{_fmt_ratio(ratios.get(f'accum/{ref}'))} | "
-                      for ref in _references())
+            + "".join(
+                f"{_fmt_ratio(ratios.get(f'accum/{ref}'))} | "
+                for ref in _references()
+            )
             + f"{mem['accumulator_over_parameters']:.4f}x | "
-            f"{r['traces']['accum']} / {r['traces']['plain_B']} |")
+            f"{r['traces']['accum']} / {r['traces']['plain_B']} |"
+        )
     return "\n".join(lines)
 
 
 def format_noise_table(results):
     """The noise-scale contenders' rates over accum's, as Markdown."""
-    lines = ["| workload | optimizer | contender | samples/s accum | "
-             "gns / accum | A/A: accum / accum_again |", "|---" * 6 + "|"]
+    lines = [
+        "| workload | optimizer | contender | samples/s accum | "
+        "gns / accum | A/A: accum / accum_again |",
+        "|---" * 6 + "|",
+    ]
     for r in results:
         for name, v in r["noise_scale"].items():
             lines.append(
                 f"| {r['workload']} | {r['optimizer']} | {name} | "
                 f"{r['median_samples_per_second']['accum']:.0f} | "
                 f"{_fmt_ratio(v['ratio_to_accum'])} | "
-                f"{_fmt_ratio(r['ratios'].get('accum/accum_again'))} |")
+                f"{_fmt_ratio(r['ratios'].get('accum/accum_again'))} |"
+            )
     return "\n".join(lines)
 
 
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError("Too many command-line arguments.")
-    for name, values, known in (("workloads", _WORKLOADS.value, WORKLOADS),
-                                ("optimizers", _OPTIMIZERS.value,
-                                 OPTIMIZERS)):
+    for name, values, known in (
+        ("workloads", _WORKLOADS.value, WORKLOADS),
+        ("optimizers", _OPTIMIZERS.value, OPTIMIZERS),
+    ):
         unknown = [v for v in values if v not in known]
         if unknown or not values:
             raise app.UsageError(
                 f"`--{name}` must be a list of {known}. "
-                f"Received: {name}={values!r}")
+                f"Received: {name}={values!r}"
+            )
     unknown = [c for c in _CONTENDERS.value if c not in CONTENDERS]
     if unknown:
         raise app.UsageError(
             f"`--contenders` must be a list of {CONTENDERS}. "
-            f"Received: contenders={_CONTENDERS.value!r}")
-    if not all(k.isdigit() and int(k) >= 1
-               for k in _NOISE_SCALE_EVERY.value):
+            f"Received: contenders={_CONTENDERS.value!r}"
+        )
+    if not all(k.isdigit() and int(k) >= 1 for k in _NOISE_SCALE_EVERY.value):
         raise app.UsageError(
             "`--noise_scale_every` must be a list of integers >= 1. "
-            f"Received: noise_scale_every={_NOISE_SCALE_EVERY.value!r}")
+            f"Received: noise_scale_every={_NOISE_SCALE_EVERY.value!r}"
+        )
     # Each model's flush is its own tf.function, traced once; TensorFlow's
     # retracing warning counts them together across the models built here.
     tf.get_logger().setLevel("ERROR")
@@ -652,14 +730,26 @@ def main(argv):
     started = time.perf_counter()
     for workload in _WORKLOADS.value:
         for optimizer in _OPTIMIZERS.value:
-            result = run_one(workload, optimizer, micro, n, repeats,
-                             _SECONDS.value, quick, _CLOCK.value,
-                             _CONTENDERS.value, _NOISE_SCALE_EVERY.value)
+            result = run_one(
+                workload,
+                optimizer,
+                micro,
+                n,
+                repeats,
+                _SECONDS.value,
+                quick,
+                _CLOCK.value,
+                _CONTENDERS.value,
+                _NOISE_SCALE_EVERY.value,
+            )
             results.append(result)
-            print(f"{workload} {optimizer}: "
-                  + ", ".join(f"{k} {_fmt_ratio(v)}"
-                              for k, v in result["ratios"].items()),
-                  flush=True)
+            print(
+                f"{workload} {optimizer}: "
+                + ", ".join(
+                    f"{k} {_fmt_ratio(v)}" for k, v in result["ratios"].items()
+                ),
+                flush=True,
+            )
     info = machine_info()
     print()
     if "plain_B" in results[0]["median_samples_per_second"]:
@@ -669,24 +759,36 @@ def main(argv):
         print(format_noise_table(results))
         print()
     device = ", ".join(info["gpus"]) or f"CPU ({info['cpu_count']} cores)"
-    print(f"B={micro}, N={n}, {repeats} interleaved repeats; ratios of "
-          f"samples per {_CLOCK.value} second, median [its "
-          f"{_interval_label(results)} confidence interval] over repeats; "
-          f"{device}, TensorFlow {info['tensorflow']}, "
-          f"{'tf_keras' if LEGACY else 'Keras'} {info['keras']}; "
-          f"{time.perf_counter() - started:.0f} s.")
+    print(
+        f"B={micro}, N={n}, {repeats} interleaved repeats; ratios of "
+        f"samples per {_CLOCK.value} second, median [its "
+        f"{_interval_label(results)} confidence interval] over repeats; "
+        f"{device}, TensorFlow {info['tensorflow']}, "
+        f"{'tf_keras' if TF_KERAS else 'Keras'} {info['keras']}; "
+        f"{time.perf_counter() - started:.0f} s."
+    )
     if _JSON.value:
         with open(_JSON.value, "w") as f:
-            json.dump({"machine": info,
-                       "flags": {"batch_size": micro, "accum_steps": n,
-                                 "repeats": repeats,
-                                 "seconds": _SECONDS.value,
-                                 "jit_compile": _JIT_COMPILE.value,
-                                 "clock": _CLOCK.value,
-                                 "quick": quick},
-                       "contenders": _contender_names(
-                           _CONTENDERS.value, _NOISE_SCALE_EVERY.value),
-                       "results": results}, f, indent=2)
+            json.dump(
+                {
+                    "machine": info,
+                    "flags": {
+                        "batch_size": micro,
+                        "accum_steps": n,
+                        "repeats": repeats,
+                        "seconds": _SECONDS.value,
+                        "jit_compile": _JIT_COMPILE.value,
+                        "clock": _CLOCK.value,
+                        "quick": quick,
+                    },
+                    "contenders": _contender_names(
+                        _CONTENDERS.value, _NOISE_SCALE_EVERY.value
+                    ),
+                    "results": results,
+                },
+                f,
+                indent=2,
+            )
 
 
 if __name__ == "__main__":

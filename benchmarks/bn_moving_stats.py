@@ -18,9 +18,9 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 import warnings  # noqa: E402
 
-from absl import app  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
+from absl import app  # noqa: E402
 
 import accum_model  # noqa: E402
 
@@ -46,30 +46,47 @@ def main(argv):
     y = rng.normal(size=(256, 1)).astype("float32")
     runs = {
         "large batch 64 (BatchNormalization)": (
-            make(keras.Model, keras.layers.BatchNormalization), 64),
+            make(keras.Model, keras.layers.BatchNormalization),
+            64,
+        ),
         "8 x 8, BatchNormalization": (
-            make(accum_model.AccumModel, keras.layers.BatchNormalization,
-                 accum_steps=8), 8),
+            make(
+                accum_model.AccumModel,
+                keras.layers.BatchNormalization,
+                accum_steps=8,
+            ),
+            8,
+        ),
         "8 x 8, AccumBatchNormalization": (
-            make(accum_model.AccumModel, accum_model.AccumBatchNormalization,
-                 accum_steps=8), 8),
+            make(
+                accum_model.AccumModel,
+                accum_model.AccumBatchNormalization,
+                accum_steps=8,
+            ),
+            8,
+        ),
     }
     with warnings.catch_warnings():
         # AccumModel warns about the plain BatchNormalization: the point here.
         warnings.simplefilter("ignore")
         for model, batch_size in runs.values():
-            model.fit(x, y, batch_size=batch_size, epochs=1, shuffle=False,
-                      verbose=0)
+            model.fit(
+                x, y, batch_size=batch_size, epochs=1, shuffle=False, verbose=0
+            )
     reference = runs["large batch 64 (BatchNormalization)"][0].get_layer("bn")
     for name, (model, _) in runs.items():
         bn = model.get_layer("bn")
         mean_err = np.abs(
-            bn.moving_mean.numpy() - reference.moving_mean.numpy())
+            bn.moving_mean.numpy() - reference.moving_mean.numpy()
+        )
         var_err = np.abs(
-            bn.moving_variance.numpy() - reference.moving_variance.numpy())
-        print(f"{name:38s} updates={int(model.optimizer.iterations)} "
-              f"moving_mean={np.round(bn.moving_mean.numpy(), 4)} "
-              f"max|diff| mean={mean_err.max():.2e} var={var_err.max():.2e}")
+            bn.moving_variance.numpy() - reference.moving_variance.numpy()
+        )
+        print(
+            f"{name:38s} updates={int(model.optimizer.iterations)} "
+            f"moving_mean={np.round(bn.moving_mean.numpy(), 4)} "
+            f"max|diff| mean={mean_err.max():.2e} var={var_err.max():.2e}"
+        )
 
 
 if __name__ == "__main__":

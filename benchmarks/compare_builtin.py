@@ -1,4 +1,4 @@
-"""How far AccumModel and Keras' built-in accumulation land from the large batch.
+"""How far AccumModel and Keras' built-in option land from the large batch.
 
 For each scenario, trains the same small model from the same weights three
 ways on data made here:
@@ -15,10 +15,10 @@ and prints max |w - w_truth| over all weights at the end of training.
 
 import json
 
-from absl import app
-from absl import flags
 import numpy as np
 import tensorflow as tf
+from absl import app
+from absl import flags
 
 from accum_model import AccumModel
 
@@ -48,27 +48,57 @@ def _schedule():
 # name: (samples, micro-batch, N, epochs, optimizer factory(**kw))
 SCENARIOS = {
     "equal micro-batches, SGD": (
-        16, 2, 4, 1, lambda **kw: keras.optimizers.SGD(0.1, **kw)),
+        16,
+        2,
+        4,
+        1,
+        lambda **kw: keras.optimizers.SGD(0.1, **kw),
+    ),
     "short last micro-batch (22 = 5x4 + 2, N=2)": (
-        22, 4, 2, 1, lambda **kw: keras.optimizers.SGD(0.1, **kw)),
+        22,
+        4,
+        2,
+        1,
+        lambda **kw: keras.optimizers.SGD(0.1, **kw),
+    ),
     "partial window at epoch end (11 micro-batches, N=4), 2 epochs": (
-        22, 2, 4, 2, lambda **kw: keras.optimizers.SGD(0.1, **kw)),
+        22,
+        2,
+        4,
+        2,
+        lambda **kw: keras.optimizers.SGD(0.1, **kw),
+    ),
     "learning-rate schedule (ExponentialDecay)": (
-        16, 2, 4, 2, lambda **kw: keras.optimizers.SGD(_schedule(), **kw)),
+        16,
+        2,
+        4,
+        2,
+        lambda **kw: keras.optimizers.SGD(_schedule(), **kw),
+    ),
     "Adam with EMA (use_ema=True)": (
-        16, 2, 4, 2,
-        lambda **kw: keras.optimizers.Adam(0.05, use_ema=True,
-                                           ema_momentum=0.5, **kw)),
+        16,
+        2,
+        4,
+        2,
+        lambda **kw: keras.optimizers.Adam(
+            0.05, use_ema=True, ema_momentum=0.5, **kw
+        ),
+    ),
     "AdamW, weight decay 0.1": (
-        16, 2, 4, 2,
-        lambda **kw: keras.optimizers.AdamW(0.05, weight_decay=0.1, **kw)),
+        16,
+        2,
+        4,
+        2,
+        lambda **kw: keras.optimizers.AdamW(0.05, weight_decay=0.1, **kw),
+    ),
 }
 
 
 def _fit(model, optimizer, x, y, batch_size, epochs):
     model.compile(optimizer=optimizer, loss="mse")
-    model.fit(x, y, batch_size=batch_size, epochs=epochs, shuffle=False,
-              verbose=0)
+    model.fit(
+        x, y, batch_size=batch_size, epochs=epochs, shuffle=False, verbose=0
+    )
     return model.get_weights()
 
 
@@ -80,15 +110,29 @@ def run_all():
     results = {}
     for name, (n, micro, steps, epochs, make_opt) in SCENARIOS.items():
         x, y = _data(n)
-        truth = _fit(_model(keras.Model), make_opt(), x, y, micro * steps,
-                     epochs)
-        accum = _fit(_model(AccumModel, accum_steps=steps), make_opt(), x, y,
-                     micro, epochs)
-        builtin = _fit(_model(keras.Model),
-                       make_opt(gradient_accumulation_steps=steps), x, y,
-                       micro, epochs)
-        results[name] = {"accum": _diff(accum, truth),
-                         "builtin": _diff(builtin, truth)}
+        truth = _fit(
+            _model(keras.Model), make_opt(), x, y, micro * steps, epochs
+        )
+        accum = _fit(
+            _model(AccumModel, accum_steps=steps),
+            make_opt(),
+            x,
+            y,
+            micro,
+            epochs,
+        )
+        builtin = _fit(
+            _model(keras.Model),
+            make_opt(gradient_accumulation_steps=steps),
+            x,
+            y,
+            micro,
+            epochs,
+        )
+        results[name] = {
+            "accum": _diff(accum, truth),
+            "builtin": _diff(builtin, truth),
+        }
     return results
 
 

@@ -49,9 +49,7 @@ def make_texts(count, max_words, seed):
 
     rng = np.random.default_rng(seed)
     lengths = np.sort(rng.integers(1, max_words + 1, size=count))
-    return [
-        " ".join(rng.choice(list(_LETTERS), size=n)) for n in lengths
-    ]
+    return [" ".join(rng.choice(list(_LETTERS), size=n)) for n in lengths]
 
 
 def build(seed):
@@ -134,11 +132,15 @@ def main(argv):
         f"keras builtin (B={micro}, N={steps})": run(micro, builtin=True),
     }
     large = runs[f"plain (B={micro * steps})"][0]
-    print(f"GPT2CausalLM, {len(texts)} texts of 1-{_SEQUENCE_LENGTH.value // 2}"
-          f" words padded to {_SEQUENCE_LENGTH.value} tokens, "
-          f"{_EPOCHS.value} epochs, AdamW, loss per valid token\n")
-    print(f"{'method':<30}{'updates':>8}{'final loss':>12}"
-          f"{'max |w - w_large|':>20}")
+    print(
+        f"GPT2CausalLM, {len(texts)} texts of 1-{_SEQUENCE_LENGTH.value // 2}"
+        f" words padded to {_SEQUENCE_LENGTH.value} tokens, "
+        f"{_EPOCHS.value} epochs, AdamW, loss per valid token\n"
+    )
+    print(
+        f"{'method':<30}{'updates':>8}{'final loss':>12}"
+        f"{'max |w - w_large|':>20}"
+    )
     diffs = {}
     for name, (weights, updates, loss, _) in runs.items():
         diffs[name] = max(
@@ -150,8 +152,10 @@ def main(argv):
     print(f"\naccumulate, then generate({_PROMPT!r}): {sample!r}")
     accumulated = diffs[f"accumulate (B={micro}, N={steps})"]
     if accumulated < 1e-4:
-        print("accumulate matches the large batch "
-              f"(max |w - w_large| = {accumulated:.1e})")
+        print(
+            "accumulate matches the large batch "
+            f"(max |w - w_large| = {accumulated:.1e})"
+        )
     else:
         print(f"accumulate DIFFERS from the large batch ({accumulated:.1e})")
     print(f"({time.time() - start:.0f} s)")

@@ -35,24 +35,36 @@ from absl import flags
 
 _BATCH_SIZE = flags.DEFINE_integer("batch_size", 16, "Micro-batch size.")
 _SMALL_STEPS = flags.DEFINE_integer(
-    "small_steps", 2, "accum_steps of the small-batch run (>= 2: the noise "
-    "scale needs two micro-batches per window).")
+    "small_steps",
+    2,
+    "accum_steps of the small-batch run (>= 2: the noise "
+    "scale needs two micro-batches per window).",
+)
 _LARGE_STEPS = flags.DEFINE_integer(
-    "large_steps", 32, "accum_steps of the large-batch run, and the "
-    "warm-up's upper bound.")
+    "large_steps",
+    32,
+    "accum_steps of the large-batch run, and the warm-up's upper bound.",
+)
 _FACTOR = flags.DEFINE_float(
-    "factor", 1.0, "The warm-up's target batch, in units of B_simple.")
+    "factor", 1.0, "The warm-up's target batch, in units of B_simple."
+)
 _EPOCHS = flags.DEFINE_integer("epochs", 12, "Epochs per run.")
 _EPOCH_SAMPLES = flags.DEFINE_integer(
-    "epoch_samples", 4096, "Fresh training samples per epoch.")
+    "epoch_samples", 4096, "Fresh training samples per epoch."
+)
 _LEARNING_RATE = flags.DEFINE_float(
-    "learning_rate", 0.05, "SGD learning rate (with momentum 0.9), the same "
-    "for every run.")
+    "learning_rate",
+    0.05,
+    "SGD learning rate (with momentum 0.9), the same for every run.",
+)
 _BETA = flags.DEFINE_float(
-    "beta", 0.9, "Decay of the noise scale's moving averages, per window.")
+    "beta", 0.9, "Decay of the noise scale's moving averages, per window."
+)
 _TARGET_LOSS = flags.DEFINE_float(
-    "target_loss", None, "Validation loss to reach; default: the best loss "
-    "the worst run reached.")
+    "target_loss",
+    None,
+    "Validation loss to reach; default: the best loss the worst run reached.",
+)
 _WIDTH = flags.DEFINE_integer("width", 64, "Hidden width.")
 _SEED = flags.DEFINE_integer("seed", 0, "Seed of the data and the weights.")
 
@@ -101,43 +113,51 @@ def train(run, data, initial_weights):
     size = _EPOCH_SAMPLES.value
     steps = _LARGE_STEPS.value if run == "large" else _SMALL_STEPS.value
     model = build(
-        _WIDTH.value, _SEED.value, accum_steps=steps,
+        _WIDTH.value,
+        _SEED.value,
+        accum_steps=steps,
         noise_scale=accum_model.NoiseScale(beta=_BETA.value),
     )
     model.set_weights(initial_weights)
     model.compile(
-        optimizer=tf.keras.optimizers.SGD(
-            _LEARNING_RATE.value, momentum=0.9
-        ),
+        optimizer=tf.keras.optimizers.SGD(_LEARNING_RATE.value, momentum=0.9),
         loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
     )
     callbacks = []
     if run == "warmup":
         # One callback for every epoch: it counts windows across fits.
-        callbacks.append(accum_model.AccumStepsWarmup(
-            factor=_FACTOR.value,
-            min_accum_steps=_SMALL_STEPS.value,
-            max_accum_steps=_LARGE_STEPS.value,
-            warmup_windows=20,
-            cooldown_windows=20,
-            verbose=0,
-        ))
+        callbacks.append(
+            accum_model.AccumStepsWarmup(
+                factor=_FACTOR.value,
+                min_accum_steps=_SMALL_STEPS.value,
+                max_accum_steps=_LARGE_STEPS.value,
+                warmup_windows=20,
+                cooldown_windows=20,
+                verbose=0,
+            )
+        )
     rows = []
     for epoch in range(_EPOCHS.value):
         rows_slice = slice(epoch * size, (epoch + 1) * size)
         history = model.fit(
-            x[rows_slice], y[rows_slice], batch_size=_BATCH_SIZE.value,
+            x[rows_slice],
+            y[rows_slice],
+            batch_size=_BATCH_SIZE.value,
             validation_data=validation,
-            validation_batch_size=len(validation[0]), shuffle=False,
-            verbose=0, callbacks=callbacks,
+            validation_batch_size=len(validation[0]),
+            shuffle=False,
+            verbose=0,
+            callbacks=callbacks,
         )
-        rows.append(dict(
-            samples=(epoch + 1) * size,
-            updates=int(model.optimizer.iterations),
-            val_loss=history.history["val_loss"][-1],
-            b_simple=history.history["gradient_noise_scale"][-1],
-            accum_steps=model.accum_steps,
-        ))
+        rows.append(
+            dict(
+                samples=(epoch + 1) * size,
+                updates=int(model.optimizer.iterations),
+                val_loss=history.history["val_loss"][-1],
+                b_simple=history.history["gradient_noise_scale"][-1],
+                accum_steps=model.accum_steps,
+            )
+        )
     return rows
 
 
@@ -161,12 +181,16 @@ def main(argv):
         results[run] = train(run, data, initial)
 
     micro = _BATCH_SIZE.value
-    print(f"\nMicro-batch {micro}; small = {micro * _SMALL_STEPS.value}, "
-          f"large = {micro * _LARGE_STEPS.value} samples per update; "
-          "B_simple in samples.\n")
-    header = "epoch  " + "  ".join(
-        f"{run + ' val_loss':>16} {'B_simple':>9}" for run in _RUNS
-    ) + f" {'warmup N':>9}"
+    print(
+        f"\nMicro-batch {micro}; small = {micro * _SMALL_STEPS.value}, "
+        f"large = {micro * _LARGE_STEPS.value} samples per update; "
+        "B_simple in samples.\n"
+    )
+    header = (
+        "epoch  "
+        + "  ".join(f"{run + ' val_loss':>16} {'B_simple':>9}" for run in _RUNS)
+        + f" {'warmup N':>9}"
+    )
     print(header)
     for epoch in range(_EPOCHS.value):
         cells = []

@@ -71,8 +71,7 @@ def one_update(model, x, y, batch_size, optimizer):
         loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
     )
     before = [np.array(w) for w in model.get_weights()]
-    model.fit(x, y, batch_size=batch_size, epochs=1, shuffle=False,
-              verbose=0)
+    model.fit(x, y, batch_size=batch_size, epochs=1, shuffle=False, verbose=0)
     after = model.get_weights()
     return np.concatenate([(b - a).ravel() for b, a in zip(before, after)])
 
@@ -95,31 +94,47 @@ def main(argv):
             return tf.cast(tf.shape(x)[0], tf.float32)
 
     micro, steps = _BATCH_SIZE.value, _ACCUM_STEPS.value
-    x, y = make_data(micro * steps, _MAX_LEN.value, _VOCAB.value,
-                     _SEED.value)
+    x, y = make_data(micro * steps, _MAX_LEN.value, _VOCAB.value, _SEED.value)
     args = (_VOCAB.value, _MAX_LEN.value, _UNITS.value, _SEED.value)
 
-    large = one_update(build(tf.keras.Model, *args), x, y, micro * steps,
-                       tf.keras.optimizers.SGD(1.0))
+    large = one_update(
+        build(tf.keras.Model, *args),
+        x,
+        y,
+        micro * steps,
+        tf.keras.optimizers.SGD(1.0),
+    )
     runs = [
-        ("exact (valid tokens)", build(AccumModel, *args, accum_steps=steps),
-         tf.keras.optimizers.SGD(1.0)),
-        ("naive (sample count)",
-         build(NaiveAccumModel, *args, accum_steps=steps),
-         tf.keras.optimizers.SGD(1.0)),
+        (
+            "exact (valid tokens)",
+            build(AccumModel, *args, accum_steps=steps),
+            tf.keras.optimizers.SGD(1.0),
+        ),
+        (
+            "naive (sample count)",
+            build(NaiveAccumModel, *args, accum_steps=steps),
+            tf.keras.optimizers.SGD(1.0),
+        ),
     ]
     if builtin:
-        runs.append((
-            "Keras built-in", build(tf.keras.Model, *args),
-            tf.keras.optimizers.SGD(1.0, gradient_accumulation_steps=steps),
-        ))
+        runs.append(
+            (
+                "Keras built-in",
+                build(tf.keras.Model, *args),
+                tf.keras.optimizers.SGD(1.0, gradient_accumulation_steps=steps),
+            )
+        )
 
     tokens = (x != 0).reshape(steps, micro, -1).sum(axis=(1, 2))
-    print(f"{steps} micro-batches of {micro} sequences (length "
-          f"{_MAX_LEN.value}); valid tokens per micro-batch: "
-          f"{tokens.tolist()}")
-    print(f"{'normalization':<24}{'max |g - g_large|':>20}"
-          f"{'|g - g_large| / |g_large|':>28}")
+    print(
+        f"{steps} micro-batches of {micro} sequences (length "
+        f"{_MAX_LEN.value}); valid tokens per micro-batch: "
+        f"{tokens.tolist()}"
+    )
+    print(
+        f"{'normalization':<24}{'max |g - g_large|':>20}"
+        f"{'|g - g_large| / |g_large|':>28}"
+    )
     errors = {}
     for name, model, optimizer in runs:
         grad = one_update(model, x, y, micro, optimizer)
@@ -127,10 +142,14 @@ def main(argv):
         rel = float(np.linalg.norm(diff) / np.linalg.norm(large))
         errors[name] = rel
         print(f"{name:<24}{np.max(np.abs(diff)):>20.2e}{rel:>28.2e}")
-    exact, naive = errors["exact (valid tokens)"], errors[
-        "naive (sample count)"]
-    print(f"\nexact normalization matches the large batch (relative error "
-          f"{exact:.1e}); naive averaging is off by {naive:.1e}.")
+    exact, naive = (
+        errors["exact (valid tokens)"],
+        errors["naive (sample count)"],
+    )
+    print(
+        f"\nexact normalization matches the large batch (relative error "
+        f"{exact:.1e}); naive averaging is off by {naive:.1e}."
+    )
 
 
 if __name__ == "__main__":

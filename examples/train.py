@@ -1,4 +1,4 @@
-"""Small batch, small batch with accumulation, and the large batch, side by side.
+"""Small batch, small batch accumulated, and the large batch, side by side.
 
 Trains the same classifier from the same initial weights four ways on data
 made here (no downloads):
@@ -37,7 +37,9 @@ _WIDTH = flags.DEFINE_integer(
     "width", 512, "Hidden width; activations dominate memory at large batch."
 )
 _OPTIMIZER = flags.DEFINE_enum(
-    "optimizer", "momentum", ["sgd", "momentum", "adam"],
+    "optimizer",
+    "momentum",
+    ["sgd", "momentum", "adam"],
     "Optimizer. Adam turns float32 rounding noise on near-zero gradients into "
     "full-size steps, so its runs drift apart visibly over many updates even "
     "between two large-batch runs that only sum in another order.",
@@ -56,8 +58,9 @@ def make_data(samples, seed):
     rng = np.random.default_rng(seed)
     x = rng.normal(size=(samples + 1000, _FEATURES)).astype("float32")
     teacher = rng.normal(size=(_FEATURES, _CLASSES))
-    y = np.argmax(np.tanh(x @ teacher) + 0.5 * rng.normal(
-        size=(len(x), _CLASSES)), axis=1).astype("int32")
+    y = np.argmax(
+        np.tanh(x @ teacher) + 0.5 * rng.normal(size=(len(x), _CLASSES)), axis=1
+    ).astype("int32")
     return (x[:samples], y[:samples]), (x[samples:], y[samples:])
 
 
@@ -85,8 +88,9 @@ def run_one(run, config, queue):
     (x, y), (xv, yv) = make_data(config["samples"], config["seed"])
     steps = config["accum_steps"]
     if run == "accum":
-        model = build(AccumModel, config["width"], config["seed"],
-                      accum_steps=steps)
+        model = build(
+            AccumModel, config["width"], config["seed"], accum_steps=steps
+        )
     else:
         model = build(keras.Model, config["width"], config["seed"])
     batch = config["batch_size"] * (steps if run.startswith("large") else 1)
@@ -104,31 +108,53 @@ def run_one(run, config, queue):
     device = "GPU:0" if tf.config.list_physical_devices("GPU") else "CPU:0"
     tf.config.experimental.reset_memory_stats(device)
     history = model.fit(
-        x, y, batch_size=batch, epochs=config["epochs"], shuffle=False,
-        validation_data=(xv, yv), verbose=2 if config["verbose"] else 0,
+        x,
+        y,
+        batch_size=batch,
+        epochs=config["epochs"],
+        shuffle=False,
+        validation_data=(xv, yv),
+        verbose=2 if config["verbose"] else 0,
     )
     # TensorFlow's own allocator: tensors alive at once during training.
     peak = tf.config.experimental.get_memory_info(device)["peak"]
-    queue.put((
-        [np.asarray(w) for w in model.get_weights()],
-        {k: [float(v) for v in vs] for k, vs in history.history.items()},
-        int(model.optimizer.iterations),
-        peak,
-        device,
-    ))
+    queue.put(
+        (
+            [np.asarray(w) for w in model.get_weights()],
+            {k: [float(v) for v in vs] for k, vs in history.history.items()},
+            int(model.optimizer.iterations),
+            peak,
+            device,
+        )
+    )
 
 
-def compare(accum_steps, batch_size, epochs, samples, width, optimizer, seed,
-            verbose=False):
+def compare(
+    accum_steps,
+    batch_size,
+    epochs,
+    samples,
+    width,
+    optimizer,
+    seed,
+    verbose=False,
+):
     """Runs the four configurations, each in its own process.
 
     Returns:
         A dict run -> {"weights", "history", "updates", "peak_bytes",
         "device"}.
     """
-    config = dict(accum_steps=accum_steps, batch_size=batch_size,
-                  epochs=epochs, samples=samples, width=width,
-                  optimizer=optimizer, seed=seed, verbose=verbose)
+    config = dict(
+        accum_steps=accum_steps,
+        batch_size=batch_size,
+        epochs=epochs,
+        samples=samples,
+        width=width,
+        optimizer=optimizer,
+        seed=seed,
+        verbose=verbose,
+    )
     context = multiprocessing.get_context("spawn")
     results = {}
     for run in _RUNS:
@@ -137,8 +163,13 @@ def compare(accum_steps, batch_size, epochs, samples, width, optimizer, seed,
         process.start()
         weights, history, updates, peak, device = queue.get(timeout=600)
         process.join(timeout=60)
-        results[run] = dict(weights=weights, history=history, updates=updates,
-                            peak_bytes=peak, device=device)
+        results[run] = dict(
+            weights=weights,
+            history=history,
+            updates=updates,
+            peak_bytes=peak,
+            device=device,
+        )
     return results
 
 
@@ -152,29 +183,44 @@ def report(results, accum_steps, batch_size):
     """Formats the comparison table and the verdict."""
     large = results["large"]["weights"]
     memory = f"peak {results['large']['device']} memory"
-    rows = [("run", "batch/update", "updates", "train loss", "val acc",
-             "max |w - w_large|", memory)]
-    sizes = {"small": batch_size, "accum": batch_size * accum_steps,
-             "large": batch_size * accum_steps,
-             "large_xla": batch_size * accum_steps}
-    labels = {"small": f"small (B={batch_size})",
-              "accum": f"accum (B={batch_size}, N={accum_steps})",
-              "large": f"large (B={batch_size * accum_steps})",
-              "large_xla": "large, XLA sum order"}
+    rows = [
+        (
+            "run",
+            "batch/update",
+            "updates",
+            "train loss",
+            "val acc",
+            "max |w - w_large|",
+            memory,
+        )
+    ]
+    sizes = {
+        "small": batch_size,
+        "accum": batch_size * accum_steps,
+        "large": batch_size * accum_steps,
+        "large_xla": batch_size * accum_steps,
+    }
+    labels = {
+        "small": f"small (B={batch_size})",
+        "accum": f"accum (B={batch_size}, N={accum_steps})",
+        "large": f"large (B={batch_size * accum_steps})",
+        "large_xla": "large, XLA sum order",
+    }
     for run in _RUNS:
         r = results[run]
-        rows.append((
-            labels[run],
-            str(sizes[run]),
-            str(r["updates"]),
-            f"{r['history']['loss'][-1]:.4f}",
-            f"{r['history']['val_accuracy'][-1]:.4f}",
-            f"{max_diff(r['weights'], large):.2e}",
-            f"{r['peak_bytes'] / 2**20:.1f} MiB",
-        ))
+        rows.append(
+            (
+                labels[run],
+                str(sizes[run]),
+                str(r["updates"]),
+                f"{r['history']['loss'][-1]:.4f}",
+                f"{r['history']['val_accuracy'][-1]:.4f}",
+                f"{max_diff(r['weights'], large):.2e}",
+                f"{r['peak_bytes'] / 2**20:.1f} MiB",
+            )
+        )
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths))
-             for row in rows]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
     diff = max_diff(results["accum"]["weights"], large)
     noise = max_diff(results["large_xla"]["weights"], large)
@@ -200,11 +246,21 @@ def report(results, accum_steps, batch_size):
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError("Too many command-line arguments.")
-    print(f"Training {len(_RUNS)} ways for {_EPOCHS.value} epochs on {_SAMPLES.value} "
-          "synthetic samples (each run in its own process)...", flush=True)
-    results = compare(_ACCUM_STEPS.value, _BATCH_SIZE.value, _EPOCHS.value,
-                      _SAMPLES.value, _WIDTH.value, _OPTIMIZER.value,
-                      _SEED.value, verbose=True)
+    print(
+        f"Training {len(_RUNS)} ways for {_EPOCHS.value} epochs on "
+        f"{_SAMPLES.value} synthetic samples (each run in its own process)...",
+        flush=True,
+    )
+    results = compare(
+        _ACCUM_STEPS.value,
+        _BATCH_SIZE.value,
+        _EPOCHS.value,
+        _SAMPLES.value,
+        _WIDTH.value,
+        _OPTIMIZER.value,
+        _SEED.value,
+        verbose=True,
+    )
     table, matches = report(results, _ACCUM_STEPS.value, _BATCH_SIZE.value)
     print()
     print(table)

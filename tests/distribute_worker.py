@@ -25,15 +25,19 @@ import sys
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
 from absl import app  # noqa: E402
 from absl import flags  # noqa: E402
 from absl import logging  # noqa: E402
-import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
 
 FLAGS = flags.FLAGS
-flags.DEFINE_enum("strategy", "mirrored", ["mirrored", "multi_worker"],
-                  "Which tf.distribute strategy to run the cases under.")
+flags.DEFINE_enum(
+    "strategy",
+    "mirrored",
+    ["mirrored", "multi_worker"],
+    "Which tf.distribute strategy to run the cases under.",
+)
 flags.DEFINE_string("cases", None, "JSON file with a list of cases.")
 flags.DEFINE_string("output", None, "Where to write the JSON results.")
 
@@ -80,10 +84,10 @@ def scalar_mean_squared_error(y_true, y_pred):
     `reduce_values`), so under Keras 3 such a loss scales itself for the
     replicas as Keras scales its own; tf_keras scales it.
     """
-    from accum_model._keras import LEGACY
+    from tests import testing_utils as tu
 
     loss = tf.reduce_mean(tf.square(y_true - y_pred))
-    if LEGACY:
+    if tu.TF_KERAS:
         return loss
     return loss / tf.distribute.get_strategy().num_replicas_in_sync
 
@@ -93,9 +97,10 @@ LOSSES = {"mse": "mse", "scalar_mse": scalar_mean_squared_error}
 
 # What a case may switch off, to show that each workaround is needed.
 _DISABLE = {
-    "symbolic_build": ("symbolic_build_arguments",
-                       lambda model, iterator, data_batch: (iterator,
-                                                            data_batch)),
+    "symbolic_build": (
+        "symbolic_build_arguments",
+        lambda model, iterator, data_batch: (iterator, data_batch),
+    ),
     "logs": ("logs_for_replica_reduction", lambda model, logs: logs),
     "empty_shard_guard": ("track_loss", _unguarded_track_loss),
 }
@@ -209,8 +214,9 @@ def _fit(strategy, case):
         "initial": _as_lists(initial),
         "trajectory": [_as_lists(w) for w in trajectory],
         "iterations": int(model.optimizer.iterations.numpy()),
-        "history": {k: [float(v) for v in vs]
-                    for k, vs in history.history.items()},
+        "history": {
+            k: [float(v) for v in vs] for k, vs in history.history.items()
+        },
         "allreduces": allreduce_counter.records(),
         "num_variables": len(model.trainable_variables),
     }
@@ -312,8 +318,12 @@ def _noise_scale_case(strategy, case):
     with strategy.scope():
         inputs = keras.Input((problem.IN_DIM,))
         outputs = keras.layers.Dense(1)(inputs)
-        model = AccumModel(inputs=inputs, outputs=outputs,
-                           accum_steps=case["steps"], noise_scale=True)
+        model = AccumModel(
+            inputs=inputs,
+            outputs=outputs,
+            accum_steps=case["steps"],
+            noise_scale=True,
+        )
         model.set_weights([kernel, bias])
         model.compile(keras.optimizers.SGD(learning_rate=0.0), "mse")
     trace, grad_sq = [], []
@@ -329,8 +339,15 @@ def _noise_scale_case(strategy, case):
                 grad_sq.append(float(estimator.last_grad_sq_norm))
 
     allreduce_counter.reset()
-    history = model.fit(xs, ys, batch_size=micro, epochs=1, shuffle=False,
-                        verbose=0, callbacks=[Recorder()])
+    history = model.fit(
+        xs,
+        ys,
+        batch_size=micro,
+        epochs=1,
+        shuffle=False,
+        verbose=0,
+        callbacks=[Recorder()],
+    )
     estimator = model.gradient_accumulator.noise_scale
     return {
         "replicas": replicas,
@@ -350,6 +367,7 @@ _KINDS = {"loop": _loop_case, "noise_scale": _noise_scale_case}
 
 def main(argv):
     from accum_model._keras import keras
+
     config = getattr(keras, "config", None)
     if hasattr(config, "disable_traceback_filtering"):
         config.disable_traceback_filtering()  # full tracebacks in reports

@@ -24,21 +24,25 @@ import time
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
 from absl import app  # noqa: E402
 from absl import flags  # noqa: E402
 from absl import logging  # noqa: E402
-import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("backup_dir", None, "ResumableBackup's directory.")
 flags.DEFINE_string("output", None, "Where to write the JSON result.")
 flags.DEFINE_string("preempt", None, "E,B: every worker stops there.")
 flags.DEFINE_string("kill", None, "E,B: worker 1 SIGKILLs itself there.")
-flags.DEFINE_string("kill_time_file", None,
-                    "Where the killed worker writes when it killed itself.")
-flags.DEFINE_float("heartbeat_s", 120.0,
-                   "Coordination-service heartbeat timeout, seconds.")
+flags.DEFINE_string(
+    "kill_time_file",
+    None,
+    "Where the killed worker writes when it killed itself.",
+)
+flags.DEFINE_float(
+    "heartbeat_s", 120.0, "Coordination-service heartbeat timeout, seconds."
+)
 
 # Per-replica micro-batch 2, 2 workers: global micro-batches of 4; 24
 # samples, so 6 micro-batches per epoch; windows of 4 micro-batches (16
@@ -94,17 +98,28 @@ def main(argv):
     backup = ResumableBackup(FLAGS.backup_dir, save_freq=1)
     result = {}
     try:
-        model.fit(x, y, batch_size=MICRO * strategy.num_replicas_in_sync,
-                  epochs=EPOCHS, shuffle=False, verbose=0,
-                  callbacks=[backup, Fault()])
-        result["weights"] = [np.asarray(w).tolist()
-                             for w in model.get_weights()]
+        model.fit(
+            x,
+            y,
+            batch_size=MICRO * strategy.num_replicas_in_sync,
+            epochs=EPOCHS,
+            shuffle=False,
+            verbose=0,
+            callbacks=[backup, Fault()],
+        )
+        result["weights"] = [
+            np.asarray(w).tolist() for w in model.get_weights()
+        ]
         result["iterations"] = int(model.optimizer.iterations.numpy())
     except Preempted:
         result["preempted"] = True
-    except (tf.errors.UnavailableError, tf.errors.DeadlineExceededError,
-            tf.errors.CancelledError, tf.errors.InternalError,
-            tf.errors.AbortedError) as e:
+    except (
+        tf.errors.UnavailableError,
+        tf.errors.DeadlineExceededError,
+        tf.errors.CancelledError,
+        tf.errors.InternalError,
+        tf.errors.AbortedError,
+    ) as e:
         result["error"] = type(e).__name__
         result["message"] = str(e).splitlines()[0][:500]
         result["error_time"] = time.time()

@@ -27,10 +27,12 @@ def free_ports(count):
 
 def tf_config(ports, index):
     """The `TF_CONFIG` value of worker `index` of a cluster on `ports`."""
-    return json.dumps({
-        "cluster": {"worker": [f"127.0.0.1:{p}" for p in ports]},
-        "task": {"type": "worker", "index": index},
-    })
+    return json.dumps(
+        {
+            "cluster": {"worker": [f"127.0.0.1:{p}" for p in ports]},
+            "task": {"type": "worker", "index": index},
+        }
+    )
 
 
 def configure_coordination(heartbeat_timeout_s):

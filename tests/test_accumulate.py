@@ -29,19 +29,23 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def _sequential(seed=0):
     keras.utils.set_random_seed(seed)
-    return keras.Sequential([
-        keras.Input((4,)),
-        keras.layers.Dense(5, activation="tanh"),
-        keras.layers.Dense(3),
-    ])
+    return keras.Sequential(
+        [
+            keras.Input((4,)),
+            keras.layers.Dense(5, activation="tanh"),
+            keras.layers.Dense(3),
+        ]
+    )
 
 
 def _unbuilt_sequential(seed=0):
     keras.utils.set_random_seed(seed)
-    return keras.Sequential([
-        keras.layers.Dense(5, activation="tanh"),
-        keras.layers.Dense(3),
-    ])
+    return keras.Sequential(
+        [
+            keras.layers.Dense(5, activation="tanh"),
+            keras.layers.Dense(3),
+        ]
+    )
 
 
 def _functional(seed=0):
@@ -94,9 +98,7 @@ def _same_start(make):
 
 
 class AccumulateTest(tf.test.TestCase, parameterized.TestCase):
-    @parameterized.product(
-        kind=sorted(_KINDS), optimizer=("momentum", "adamw")
-    )
+    @parameterized.product(kind=sorted(_KINDS), optimizer=("momentum", "adamw"))
     def test_equals_large_batch(self, kind, optimizer):
         make = _KINDS[kind]
         x, y = tu.regression_data(22)
@@ -129,13 +131,26 @@ class AccumulateTest(tf.test.TestCase, parameterized.TestCase):
         optimizer = model.optimizer
         accumulate(model, 2)
         recorder = [tu.UpdateRecorder(), tu.UpdateRecorder()]
-        reference.fit(x, y, batch_size=8, shuffle=False, verbose=0,
-                      callbacks=[recorder[0]])
-        model.fit(x, y, batch_size=4, shuffle=False, verbose=0,
-                  callbacks=[recorder[1]])
+        reference.fit(
+            x,
+            y,
+            batch_size=8,
+            shuffle=False,
+            verbose=0,
+            callbacks=[recorder[0]],
+        )
+        model.fit(
+            x,
+            y,
+            batch_size=4,
+            shuffle=False,
+            verbose=0,
+            callbacks=[recorder[1]],
+        )
         self.assertIs(model.optimizer, optimizer)
-        tu.assert_same_trajectory(self, recorder[0].weights,
-                                  recorder[1].weights)
+        tu.assert_same_trajectory(
+            self, recorder[0].weights, recorder[1].weights
+        )
 
     def test_again_changes_settings(self):
         model = accumulate(_sequential(), 4)
@@ -215,11 +230,15 @@ class PipelineLike(keras.Model):
         super().__init__(inputs=inputs, outputs=outputs, **kwargs)
         self.units = units
 
-    def fit(self, x=None, y=None, batch_size=None, sample_weight=None,
-            **kwargs):
+    def fit(
+        self, x=None, y=None, batch_size=None, sample_weight=None, **kwargs
+    ):
         return super().fit(
-            x=x, y=y, batch_size=batch_size, sample_weight=sample_weight,
-            **kwargs
+            x=x,
+            y=y,
+            batch_size=batch_size,
+            sample_weight=sample_weight,
+            **kwargs,
         )
 
     def get_config(self):
@@ -240,7 +259,8 @@ class AccumSecond(PipelineLike, AccumModel):
 
 class SubclassingTest(tf.test.TestCase, parameterized.TestCase):
     @parameterized.named_parameters(
-        ("accum_first", AccumFirst), ("accum_second", AccumSecond),
+        ("accum_first", AccumFirst),
+        ("accum_second", AccumSecond),
         ("accumulate", None),
     )
     def test_base_fit_arguments_pass_unchanged(self, cls):
@@ -254,13 +274,24 @@ class SubclassingTest(tf.test.TestCase, parameterized.TestCase):
             model = cls(accum_steps=4)
         tu.copy_weights(reference, model)
         recorders = [tu.UpdateRecorder(), tu.UpdateRecorder()]
-        for m, batch, recorder in ((reference, 8, recorders[0]),
-                                   (model, 2, recorders[1])):
+        for m, batch, recorder in (
+            (reference, 8, recorders[0]),
+            (model, 2, recorders[1]),
+        ):
             m.compile(tu.OPTIMIZERS["momentum"](), "mse")
-            m.fit(x, y, batch, sw, epochs=2, shuffle=False, verbose=0,
-                  callbacks=[recorder])
-        tu.assert_same_trajectory(self, recorders[0].weights,
-                                  recorders[1].weights)
+            m.fit(
+                x,
+                y,
+                batch,
+                sw,
+                epochs=2,
+                shuffle=False,
+                verbose=0,
+                callbacks=[recorder],
+            )
+        tu.assert_same_trajectory(
+            self, recorders[0].weights, recorders[1].weights
+        )
         self.assertEqual(model.accum_steps, 4)
 
     @parameterized.named_parameters(
@@ -277,8 +308,9 @@ class SubclassingTest(tf.test.TestCase, parameterized.TestCase):
             path, custom_objects={cls.__name__: cls}
         )
         self.assertIsInstance(restored, cls)
-        self.assertEqual((restored.accum_steps, restored.epoch_end),
-                         (3, "carry"))
+        self.assertEqual(
+            (restored.accum_steps, restored.epoch_end), (3, "carry")
+        )
         self.assertEqual(AccumModel.__bases__, bases)
 
     def test_subclass_style_accum_model_survives_functional_bases(self):
@@ -333,8 +365,9 @@ class RoundTripTest(tf.test.TestCase, parameterized.TestCase):
         self.assertIsInstance(restored, AccumModel)
         self.assertIsInstance(restored, base)
         self.assertIs(type(restored), type(model))
-        self.assertEqual((restored.accum_steps, restored.epoch_end),
-                         (4, "carry"))
+        self.assertEqual(
+            (restored.accum_steps, restored.epoch_end), (4, "carry")
+        )
         # And it trains like the original: 2 updates from 8 micro-batches.
         x, y = tu.regression_data(16)
         restored.compile("sgd", "mse")
@@ -342,7 +375,8 @@ class RoundTripTest(tf.test.TestCase, parameterized.TestCase):
         self.assertEqual(int(restored.optimizer.iterations), 2)
 
     @parameterized.named_parameters(
-        ("sequential", "sequential"), ("functional", "functional"),
+        ("sequential", "sequential"),
+        ("functional", "functional"),
         ("subclassed", "subclassed"),
     )
     def test_get_config_from_config(self, kind):
@@ -351,7 +385,8 @@ class RoundTripTest(tf.test.TestCase, parameterized.TestCase):
         self._assert_accumulating(restored, model)
 
     @parameterized.named_parameters(
-        ("sequential", "sequential"), ("functional", "functional"),
+        ("sequential", "sequential"),
+        ("functional", "functional"),
         ("subclassed", "subclassed"),
     )
     def test_json(self, kind):
@@ -360,7 +395,8 @@ class RoundTripTest(tf.test.TestCase, parameterized.TestCase):
         self._assert_accumulating(restored, model)
 
     @parameterized.named_parameters(
-        ("sequential", "sequential"), ("functional", "functional"),
+        ("sequential", "sequential"),
+        ("functional", "functional"),
         ("subclassed", "subclassed"),
     )
     def test_clone_model(self, kind):
@@ -390,7 +426,8 @@ class RoundTripTest(tf.test.TestCase, parameterized.TestCase):
         self.assertEqual((clone.accum_steps, clone.epoch_end), (4, "carry"))
 
     @parameterized.named_parameters(
-        ("sequential", "sequential"), ("functional", "functional"),
+        ("sequential", "sequential"),
+        ("functional", "functional"),
         ("subclassed", "subclassed"),
     )
     def test_keras_file_in_a_new_process(self, kind):
@@ -404,16 +441,28 @@ class RoundTripTest(tf.test.TestCase, parameterized.TestCase):
         model.save(path)
         env = dict(os.environ, PYTHONPATH=_ROOT, TF_CPP_MIN_LOG_LEVEL="3")
         result = subprocess.run(
-            [sys.executable, "-c", _LOAD_SCRIPT, path], capture_output=True,
-            text=True, timeout=240, env=env, cwd=_ROOT, check=False,
+            [sys.executable, "-c", _LOAD_SCRIPT, path],
+            capture_output=True,
+            text=True,
+            timeout=240,
+            env=env,
+            cwd=_ROOT,
+            check=False,
         )
         self.assertEqual(result.returncode, 0, result.stderr[-3000:])
         loaded = json.loads(result.stdout.strip().splitlines()[-1])
         base = type(model)._accum_base.__name__
-        self.assertEqual(loaded, dict(
-            cls=base, base=base, accumulating=True, accum_steps=4,
-            epoch_end="carry", micro_step=3,
-        ))
+        self.assertEqual(
+            loaded,
+            dict(
+                cls=base,
+                base=base,
+                accumulating=True,
+                accum_steps=4,
+                epoch_end="carry",
+                micro_step=3,
+            ),
+        )
 
 
 class CustomTrainStepTest(tf.test.TestCase, parameterized.TestCase):
@@ -461,7 +510,8 @@ class CustomTrainStepTest(tf.test.TestCase, parameterized.TestCase):
         # gradients provided for any variable" at the first epoch end.
         apply = (
             (lambda opt, g, v: opt.apply_gradients(zip(g, v)))
-            if tu.LEGACY else (lambda opt, g, v: opt.apply(g, v))
+            if tu.TF_KERAS
+            else (lambda opt, g, v: opt.apply(g, v))
         )
 
         class GuideStep(AccumModel):
@@ -508,7 +558,8 @@ class RetracingTest(tf.test.TestCase):
         finally:
             logger.removeHandler(handler)
         self.assertEqual(
-            [r for r in records if "retracing" in r], [],
+            [r for r in records if "retracing" in r],
+            [],
         )
 
 
@@ -520,8 +571,12 @@ class TransferLearningTest(tf.test.TestCase):
         def build(seed=0):
             keras.utils.set_random_seed(seed)
             base = keras.applications.MobileNetV3Small(
-                input_shape=(32, 32, 3), include_top=False, weights=None,
-                minimalistic=True, alpha=0.75, include_preprocessing=False,
+                input_shape=(32, 32, 3),
+                include_top=False,
+                weights=None,
+                minimalistic=True,
+                alpha=0.75,
+                include_preprocessing=False,
             )
             inputs = keras.Input((32, 32, 3))
             h = base(inputs, training=False)
@@ -537,8 +592,10 @@ class TransferLearningTest(tf.test.TestCase):
         accumulate(model, 3)
         trajectories = ([], [])
         for trainable, lr in ((False, 0.1), (True, 0.01)):
-            for m, b, batch, out in ((reference, ref_base, 6, trajectories[0]),
-                                     (model, base, 2, trajectories[1])):
+            for m, b, batch, out in (
+                (reference, ref_base, 6, trajectories[0]),
+                (model, base, 2, trajectories[1]),
+            ):
                 b.trainable = trainable
                 # Keras' advice for fine-tuning: BatchNormalization stays
                 # frozen (inference mode) when the rest is unfrozen; one in
@@ -548,7 +605,11 @@ class TransferLearningTest(tf.test.TestCase):
                     if isinstance(layer, keras.layers.BatchNormalization):
                         layer.trainable = False
                 _, weights = tu.train(
-                    m, x, y, batch, 1,
+                    m,
+                    x,
+                    y,
+                    batch,
+                    1,
                     keras.optimizers.SGD(lr, momentum=0.9),
                     "sparse_categorical_crossentropy",
                 )

@@ -22,7 +22,8 @@ class HandComputedTest(tf.test.TestCase, parameterized.TestCase):
         acc = GradientAccumulator([v], accum_steps=4)
         opt = _sgd()
         applied = [
-            bool(acc.step([tf.constant([g])], opt)) for g in (1.0, 2.0, 3.0, 4.0)
+            bool(acc.step([tf.constant([g])], opt))
+            for g in (1.0, 2.0, 3.0, 4.0)
         ]
         self.assertEqual(applied, [False, False, False, True])
         self.assertAllClose(v, [-2.5])
@@ -80,8 +81,14 @@ class HandComputedTest(tf.test.TestCase, parameterized.TestCase):
         acc = GradientAccumulator([v], accum_steps=3)
         opt = _sgd()
         results = [
-            bool(acc.step([tf.constant([g])], opt, weight=1,
-                          is_finite=tf.constant(np.isfinite(g))))
+            bool(
+                acc.step(
+                    [tf.constant([g])],
+                    opt,
+                    weight=1,
+                    is_finite=tf.constant(np.isfinite(g)),
+                )
+            )
             for g in (2.0, np.inf, 4.0)
         ]
         self.assertEqual(results, [False, False, True])
@@ -153,7 +160,7 @@ class CustomLoopTest(tf.test.TestCase, parameterized.TestCase):
         reference.compile(tu.OPTIMIZERS[optimizer](), "mse")
         expected = []
         for start in range(0, 22, 8):
-            reference.train_on_batch(x[start:start + 8], y[start:start + 8])
+            reference.train_on_batch(x[start : start + 8], y[start : start + 8])
             expected.append(reference.get_weights())
 
         opt = tu.OPTIMIZERS[optimizer]()
@@ -166,11 +173,10 @@ class CustomLoopTest(tf.test.TestCase, parameterized.TestCase):
             return acc.step(grads, opt, weight=tf.shape(xb)[0])
 
         if compiled:
-            train_step = tf.function(train_step,
-                                     jit_compile=compiled == "jit")
+            train_step = tf.function(train_step, jit_compile=compiled == "jit")
         actual = []
         for start in range(0, 22, 2):
-            if bool(train_step(x[start:start + 2], y[start:start + 2])):
+            if bool(train_step(x[start : start + 2], y[start : start + 2])):
                 actual.append(model.get_weights())
         if bool(acc.apply(opt)):  # the short last window
             actual.append(model.get_weights())
@@ -179,7 +185,10 @@ class CustomLoopTest(tf.test.TestCase, parameterized.TestCase):
 
 class ValidationTest(tf.test.TestCase, parameterized.TestCase):
     @parameterized.named_parameters(
-        ("zero", 0), ("negative", -3), ("float", 1.0), ("bool", False),
+        ("zero", 0),
+        ("negative", -3),
+        ("float", 1.0),
+        ("bool", False),
         ("none", None),
     )
     def test_bad_accum_steps(self, value):

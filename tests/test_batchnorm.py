@@ -19,12 +19,11 @@ from accum_model import AccumBatchNormalization
 from accum_model import AccumModel
 from accum_model import GradientAccumulator
 from accum_model import replace_batchnorm
-from accum_model._keras import LEGACY
 from accum_model._keras import keras
 from tests import testing_utils as tu
 
 _KERAS3_ONLY = unittest.skipIf(
-    LEGACY, "AccumBatchNormalization needs Keras 3"
+    tu.TF_KERAS, "AccumBatchNormalization needs Keras 3"
 )
 
 _MOMENTUM = 0.9
@@ -80,9 +79,7 @@ def _pair(rank, axis, dtype="float32"):
     )
     bn.build(shape)
     accum_bn.build(shape)
-    weights = [
-        rng.normal(size=w.shape).astype("float32") for w in bn.weights
-    ]
+    weights = [rng.normal(size=w.shape).astype("float32") for w in bn.weights]
     weights[3] = np.abs(weights[3]) + 0.5  # a variance
     bn.set_weights(weights)
     accum_bn.set_weights(weights)
@@ -99,8 +96,9 @@ def _input_bn_model(cls, bn_cls, **kwargs):
 
 def _carrying_input_bn_model():
     """An input-BN AccumModel, windows of 4, open windows carried, compiled."""
-    model = _input_bn_model(AccumModel, AccumBatchNormalization,
-                            accum_steps=4, epoch_end="carry")
+    model = _input_bn_model(
+        AccumModel, AccumBatchNormalization, accum_steps=4, epoch_end="carry"
+    )
     model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
     return model
 
@@ -162,9 +160,7 @@ class AccumBatchNormalizationTest(tf.test.TestCase, parameterized.TestCase):
         self, rank, axis, dtype
     ):
         bn, accum_bn, shape, rng = _pair(rank, axis, dtype)
-        attached_bn = AccumBatchNormalization.from_config(
-            accum_bn.get_config()
-        )
+        attached_bn = AccumBatchNormalization.from_config(accum_bn.get_config())
         attached_bn.build(shape)
         attached_bn.set_weights(bn.get_weights())
         driver = _WindowDriver(attached_bn, accum_steps=1)
@@ -291,9 +287,7 @@ class AccumBatchNormalizationTest(tf.test.TestCase, parameterized.TestCase):
         self.assertAllClose(moving[0], expected[0], atol=1e-6)
         self.assertAllClose(moving[1], expected[1], rtol=1e-6, atol=1e-6)
 
-    @parameterized.named_parameters(
-        ("graph", False), ("jit_compile", True)
-    )
+    @parameterized.named_parameters(("graph", False), ("jit_compile", True))
     def test_input_bn_equals_large_batch_fit(self, jit_compile):
         # 40 samples: windows of 32 and, flushed at the epoch's end, 8.
         x, y = _data(40)
@@ -315,32 +309,42 @@ class AccumBatchNormalizationTest(tf.test.TestCase, parameterized.TestCase):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             for m, batch_size in ((model, 8), (naive, 8), (reference, 32)):
-                m.fit(x, y, batch_size=batch_size, epochs=2, shuffle=False,
-                      verbose=0)
+                m.fit(
+                    x,
+                    y,
+                    batch_size=batch_size,
+                    epochs=2,
+                    shuffle=False,
+                    verbose=0,
+                )
             # A new accum_steps takes effect without retracing; the hook
             # still fires once per window.
             model.accum_steps = 2
             model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
-            reference.fit(x, y, batch_size=16, epochs=1, shuffle=False,
-                          verbose=0)
+            reference.fit(
+                x, y, batch_size=16, epochs=1, shuffle=False, verbose=0
+            )
         self.assertEqual(
             int(model.optimizer.iterations),
             int(reference.optimizer.iterations),
         )
         for got, want in zip(_moving(model), _moving(reference)):
             self.assertAllClose(got, want, rtol=1e-6, atol=1e-6)
-        self.assertNotAllClose(_moving(naive)[1], _moving(reference)[1],
-                               atol=1e-2)
+        self.assertNotAllClose(
+            _moving(naive)[1], _moving(reference)[1], atol=1e-2
+        )
 
-    @parameterized.named_parameters(("keras", ".keras"),
-                                    ("weights_h5", ".weights.h5"))
+    @parameterized.named_parameters(
+        ("keras", ".keras"), ("weights_h5", ".weights.h5")
+    )
     def test_save_mid_window_keeps_the_window_of_moments(self, suffix):
         # Windows of 4 micro-batches of 4; saved after 3 micro-batches of the
         # second window and resumed. Ground truth: plain large-batch fit
         # (batch 16) of the same input-BN model, uninterrupted.
         x, y = _data(32)
-        reference = _input_bn_model(keras.Model,
-                                    keras.layers.BatchNormalization)
+        reference = _input_bn_model(
+            keras.Model, keras.layers.BatchNormalization
+        )
         reference.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
         reference.fit(x, y, batch_size=16, shuffle=False, verbose=0)
 
@@ -348,8 +352,7 @@ class AccumBatchNormalizationTest(tf.test.TestCase, parameterized.TestCase):
         model.fit(x[:28], y[:28], batch_size=4, shuffle=False, verbose=0)
         self.assertEqual(int(model.gradient_accumulator.micro_step), 3)
         path = os.path.join(self.get_temp_dir(), "mid" + suffix)
-        restored = tu.save_and_load(model, path,
-                                    _carrying_input_bn_model)
+        restored = tu.save_and_load(model, path, _carrying_input_bn_model)
         restored.fit(x[28:], y[28:], batch_size=4, shuffle=False, verbose=0)
 
         self.assertEqual(int(restored.optimizer.iterations), 2)
@@ -390,8 +393,9 @@ class AccumBatchNormalizationTest(tf.test.TestCase, parameterized.TestCase):
         self.assertIsInstance(restored.get_layer("bn"), AccumBatchNormalization)
         for a, b in zip(restored.get_weights(), model.get_weights()):
             self.assertAllEqual(a, b)
-        self.assertAllClose(restored.predict(x, verbose=0),
-                            model.predict(x, verbose=0))
+        self.assertAllClose(
+            restored.predict(x, verbose=0), model.predict(x, verbose=0)
+        )
 
 
 @_KERAS3_ONLY
@@ -399,7 +403,7 @@ class ReplaceBatchnormTest(tf.test.TestCase, parameterized.TestCase):
     def _assert_replaced(self, original, replaced):
         self.assertNotIn(
             "BatchNormalization",
-            [type(l).__name__ for l in replaced._flatten_layers()],
+            [type(layer).__name__ for layer in replaced._flatten_layers()],
         )
         self.assertEqual(len(original.weights), len(replaced.weights))
         for a, b in zip(original.weights, replaced.weights):
@@ -407,8 +411,9 @@ class ReplaceBatchnormTest(tf.test.TestCase, parameterized.TestCase):
             self.assertAllEqual(a, b)
             self.assertIsNot(a, b)
         x = np.random.default_rng(0).normal(size=(5, 4)).astype("float32")
-        self.assertAllClose(replaced.predict(x, verbose=0),
-                            original.predict(x, verbose=0))
+        self.assertAllClose(
+            replaced.predict(x, verbose=0), original.predict(x, verbose=0)
+        )
 
     def _trained_bn(self, model):
         for layer in model._flatten_layers():
@@ -420,27 +425,34 @@ class ReplaceBatchnormTest(tf.test.TestCase, parameterized.TestCase):
         inner = keras.Model(
             inputs, keras.layers.BatchNormalization()(inputs), name="inner"
         )
-        model = keras.Sequential([
-            keras.Input((4,)),
-            keras.layers.BatchNormalization(),
-            keras.layers.Dense(3),
-            inner,
-            keras.layers.Dense(1),
-        ])
+        model = keras.Sequential(
+            [
+                keras.Input((4,)),
+                keras.layers.BatchNormalization(),
+                keras.layers.Dense(3),
+                inner,
+                keras.layers.Dense(1),
+            ]
+        )
         self._trained_bn(model)
         replaced = replace_batchnorm(model)
         self.assertIsInstance(replaced, keras.Sequential)
         self.assertLen(
-            [l for l in replaced._flatten_layers()
-             if isinstance(l, AccumBatchNormalization)],
+            [
+                layer
+                for layer in replaced._flatten_layers()
+                if isinstance(layer, AccumBatchNormalization)
+            ],
             2,
         )
         self._assert_replaced(model, replaced)
 
     def test_functional_accum_model_keeps_its_settings(self):
         model = _input_bn_model(
-            AccumModel, keras.layers.BatchNormalization,
-            accum_steps=3, epoch_end="carry",
+            AccumModel,
+            keras.layers.BatchNormalization,
+            accum_steps=3,
+            epoch_end="carry",
         )
         self._trained_bn(model)
         replaced = replace_batchnorm(model)
@@ -455,9 +467,7 @@ class ReplaceBatchnormTest(tf.test.TestCase, parameterized.TestCase):
             def call(self, x):
                 return x
 
-        with self.assertRaisesRegex(
-            ValueError, "Received: model of type Net"
-        ):
+        with self.assertRaisesRegex(ValueError, "Received: model of type Net"):
             replace_batchnorm(Net())
 
 
@@ -503,19 +513,15 @@ class ExportsTest(tf.test.TestCase):
 
 
 class LegacyKerasTest(tf.test.TestCase):
-    @unittest.skipUnless(LEGACY, "only under tf_keras")
+    @unittest.skipUnless(tu.TF_KERAS, "only under tf_keras")
     def test_refused_with_a_clear_error_under_tf_keras(self):
         with self.assertRaisesRegex(ValueError, "needs Keras 3"):
             AccumBatchNormalization()
         inputs = keras.Input((3,))
-        model = keras.Model(
-            inputs, keras.layers.BatchNormalization()(inputs)
-        )
+        model = keras.Model(inputs, keras.layers.BatchNormalization()(inputs))
         with self.assertRaisesRegex(ValueError, "needs Keras 3"):
             replace_batchnorm(model)
-        self.assertIsInstance(
-            model.layers[1], keras.layers.BatchNormalization
-        )
+        self.assertIsInstance(model.layers[1], keras.layers.BatchNormalization)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,8 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def _load_bench_fit():
     # Once per process: loading it again would define its flags twice.
     spec = importlib.util.spec_from_file_location(
-        "bench_fit", os.path.join(_ROOT, "benchmarks", "bench_fit.py"))
+        "bench_fit", os.path.join(_ROOT, "benchmarks", "bench_fit.py")
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -49,22 +50,42 @@ class BenchFitTest(tf.test.TestCase):
         # 12 samples: P(Binomial(12, 1/2) <= 2) = (1 + 12 + 66) / 4096, so
         # the 3rd smallest and 3rd largest cover the median with
         # 1 - 2 * 79/4096 = 96.1%; the 4th would give 85.4%.
-        values = [0.97, 1.04, 0.99, 1.10, 0.93, 1.01, 1.00, 0.96, 1.02,
-                  1.05, 0.98, 1.03]
+        values = [
+            0.97,
+            1.04,
+            0.99,
+            1.10,
+            0.93,
+            1.01,
+            1.00,
+            0.96,
+            1.02,
+            1.05,
+            0.98,
+            1.03,
+        ]
         low, high, coverage = median_interval(values)
         self.assertEqual((low, high), (0.97, 1.04))
         self.assertAlmostEqual(coverage, 1 - 2 * 79 / 4096)
         # Too few samples for 95%: min and max, with their coverage.
-        self.assertEqual(median_interval([3, 1, 2, 5, 4]),
-                         (1, 5, 1 - 2 / 32))
+        self.assertEqual(median_interval([3, 1, 2, 5, 4]), (1, 5, 1 - 2 / 32))
 
     def test_quick_run_reports_every_contender_and_workload(self):
         path = os.path.join(tempfile.mkdtemp(), "bench.json")
         env = dict(os.environ, PYTHONPATH=_ROOT, TF_CPP_MIN_LOG_LEVEL="2")
         result = subprocess.run(
-            [sys.executable, os.path.join(_ROOT, "benchmarks", "bench_fit.py"),
-             "--quick", "--optimizers=adamw", f"--json={path}"],
-            capture_output=True, text=True, timeout=300, env=env, check=False,
+            [
+                sys.executable,
+                os.path.join(_ROOT, "benchmarks", "bench_fit.py"),
+                "--quick",
+                "--optimizers=adamw",
+                f"--json={path}",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env=env,
+            check=False,
         )
         self.assertEqual(result.returncode, 0, result.stderr[-3000:])
         with open(path) as f:
@@ -85,17 +106,19 @@ class BenchFitTest(tf.test.TestCase):
             median_interval = _load_bench_fit().median_interval
             for reference in contenders[:1] + contenders[2:]:
                 ratio = r["ratios"][f"accum/{reference}"]
-                per_repeat = [a / b for a, b in
-                              zip(rates["accum"], rates[reference])]
+                per_repeat = [
+                    a / b for a, b in zip(rates["accum"], rates[reference])
+                ]
                 self.assertAllClose(ratio["per_repeat"], per_repeat)
-                self.assertAllClose(ratio["median"],
-                                    statistics.median(per_repeat))
-                self.assertAllClose(ratio["interval"],
-                                    median_interval(per_repeat)[:2])
+                self.assertAllClose(
+                    ratio["median"], statistics.median(per_repeat)
+                )
+                self.assertAllClose(
+                    ratio["interval"], median_interval(per_repeat)[:2]
+                )
             # One float32 copy of the weights, plus a few scalar counters.
             memory = r["memory"]
-            self.assertBetween(memory["accumulator_over_parameters"],
-                               1.0, 1.05)
+            self.assertBetween(memory["accumulator_over_parameters"], 1.0, 1.05)
             # Traced no more than plain fit, and not per fit call (Keras 3
             # traces once; tf_keras twice, plain fit as well).
             traces = r["traces"]
@@ -111,11 +134,21 @@ class BenchFitNoiseScaleTest(tf.test.TestCase):
         path = os.path.join(tempfile.mkdtemp(), "bench.json")
         env = dict(os.environ, PYTHONPATH=_ROOT, TF_CPP_MIN_LOG_LEVEL="2")
         result = subprocess.run(
-            [sys.executable, os.path.join(_ROOT, "benchmarks", "bench_fit.py"),
-             "--quick", "--workloads=mlp", "--optimizers=sgd",
-             "--contenders=accum_again", "--noise_scale_every=1,3",
-             f"--json={path}"],
-            capture_output=True, text=True, timeout=300, env=env, check=False,
+            [
+                sys.executable,
+                os.path.join(_ROOT, "benchmarks", "bench_fit.py"),
+                "--quick",
+                "--workloads=mlp",
+                "--optimizers=sgd",
+                "--contenders=accum_again",
+                "--noise_scale_every=1,3",
+                f"--json={path}",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env=env,
+            check=False,
         )
         self.assertEqual(result.returncode, 0, result.stderr[-3000:])
         with open(path) as f:
@@ -130,8 +163,10 @@ class BenchFitNoiseScaleTest(tf.test.TestCase):
             self.assertGreater(entry["ratio_to_accum"]["median"], 0)
             self.assertIn(f"| mlp | sgd | {name} |", result.stdout)
         # Every window of the quick run is measured at k=1.
-        self.assertGreater(r["noise_scale"]["accum_gns_k1"]["measurements"],
-                           r["noise_scale"]["accum_gns_k3"]["measurements"])
+        self.assertGreater(
+            r["noise_scale"]["accum_gns_k1"]["measurements"],
+            r["noise_scale"]["accum_gns_k3"]["measurements"],
+        )
 
 
 class XlaApplyTest(tf.test.TestCase):
@@ -142,8 +177,9 @@ class XlaApplyTest(tf.test.TestCase):
         variable = tf.Variable([1.0, 2.0])
         optimizer = keras.optimizers.Adam(0.1)
         accumulator = GradientAccumulator([variable], accum_steps=2)
-        step = tf.function(lambda g: accumulator.step([g], optimizer),
-                           jit_compile=True)
+        step = tf.function(
+            lambda g: accumulator.step([g], optimizer), jit_compile=True
+        )
         grad = tf.constant([1.0, 1.0])
         for _ in range(4):
             step(grad)

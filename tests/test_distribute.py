@@ -20,7 +20,6 @@ import numpy as np
 import tensorflow as tf
 from absl.testing import parameterized
 
-from accum_model._keras import LEGACY
 from accum_model._keras import keras
 from tests import loopback_cluster
 from tests import noise_scale_problem
@@ -36,8 +35,7 @@ _REPLICAS = 2
 _FIT_CASES = {
     # Even shards, full windows; validation runs test_step under the
     # strategy, and the logged loss is compared.
-    "sgd_even": dict(optimizer="sgd", n=32, micro=2, steps=4,
-                     validation=True),
+    "sgd_even": dict(optimizer="sgd", n=32, micro=2, steps=4, validation=True),
     # 21 = 5*4 + 1: the last global batch holds 1 sample, so one replica
     # gets an empty shard; the last window holds 9 samples.
     "adam_empty_shard": dict(optimizer="adam", n=21, micro=2, steps=3),
@@ -45,15 +43,15 @@ _FIT_CASES = {
     "adamw_unequal_shards": dict(optimizer="adamw", n=23, micro=3, steps=2),
     # 17 = 4*4 + 1: the epoch ends two micro-steps into a window of 3;
     # epoch_end="apply" applies those 5 samples as one update.
-    "momentum_partial_window_apply": dict(optimizer="momentum", n=17,
-                                          micro=2, steps=3,
-                                          epoch_end="apply"),
+    "momentum_partial_window_apply": dict(
+        optimizer="momentum", n=17, micro=2, steps=3, epoch_end="apply"
+    ),
     "sgd_accum_steps_one": dict(optimizer="sgd", n=10, micro=2, steps=1),
     # A loss that reduces itself gives NaN on an empty shard: the weights
     # must not see it (its weight is 0), nor the logged loss.
-    "sgd_empty_shard_self_reducing_loss": dict(optimizer="sgd", n=21,
-                                               micro=2, steps=3,
-                                               loss="scalar_mse"),
+    "sgd_empty_shard_self_reducing_loss": dict(
+        optimizer="sgd", n=21, micro=2, steps=3, loss="scalar_mse"
+    ),
 }
 # mixed_float16: sample 6 is 1e6, beyond float16's range. With global
 # micro-batches of 2*2 samples it is in micro-batch 1, and in replica 1's
@@ -64,14 +62,27 @@ _FIT_CASES = {
 # skipped, scale 8192), and the test must choose which one overflows.
 _OVERFLOW_CASES = {
     "sgd_mixed_float16_one_replica_overflows": dict(
-        optimizer="sgd", n=16, micro=2, steps=2, epochs=1,
-        policy="mixed_float16", loss_scale=256.0, overflow=[6],
+        optimizer="sgd",
+        n=16,
+        micro=2,
+        steps=2,
+        epochs=1,
+        policy="mixed_float16",
+        loss_scale=256.0,
+        overflow=[6],
         kept_windows=[[0], [2, 3]],
     ),
     # The same with GradientAccumulator.step in a custom loop.
     "loop_sgd_mixed_float16_one_replica_overflows": dict(
-        kind="loop", optimizer="sgd", n=16, micro=2, steps=2, epochs=1,
-        policy="mixed_float16", loss_scale=256.0, overflow=[6],
+        kind="loop",
+        optimizer="sgd",
+        n=16,
+        micro=2,
+        steps=2,
+        epochs=1,
+        policy="mixed_float16",
+        loss_scale=256.0,
+        overflow=[6],
         kept_windows=[[0], [2, 3]],
     ),
 }
@@ -81,7 +92,12 @@ _OVERFLOW_CASES = {
 # all-reduce would wait for replica 1 for ever); window (2, 3) applies.
 _NAN_CASES = {
     "sgd_nan_window_one_replica": dict(
-        optimizer="sgd", n=16, micro=2, steps=2, epochs=1, nan=[6],
+        optimizer="sgd",
+        n=16,
+        micro=2,
+        steps=2,
+        epochs=1,
+        nan=[6],
         kept_windows=[[2, 3]],
     ),
 }
@@ -91,38 +107,52 @@ _OTHER_CASES = {
     # traffic comparison.
     "plain_fit": dict(optimizer="sgd", n=32, micro=2, steps=1, plain=True),
     # The empty-shard case without `track_loss`'s guard.
-    "without_empty_shard_guard": dict(optimizer="sgd", n=21, micro=2,
-                                      steps=3, loss="scalar_mse",
-                                      disable=["empty_shard_guard"]),
+    "without_empty_shard_guard": dict(
+        optimizer="sgd",
+        n=21,
+        micro=2,
+        steps=3,
+        loss="scalar_mse",
+        disable=["empty_shard_guard"],
+    ),
 }
 # MultiWorkerMirroredStrategy only: each Keras 3 workaround is needed.
 _WORKAROUND_CASES = {
-    "keras_model_unpatched": dict(optimizer="sgd", n=8, micro=2, steps=1,
-                                  plain="keras"),
-    "without_symbolic_build_workaround": dict(optimizer="sgd", n=8, micro=2,
-                                              steps=2,
-                                              disable=["symbolic_build"]),
-    "without_logs_workaround": dict(optimizer="sgd", n=8, micro=2, steps=2,
-                                    disable=["logs"]),
+    "keras_model_unpatched": dict(
+        optimizer="sgd", n=8, micro=2, steps=1, plain="keras"
+    ),
+    "without_symbolic_build_workaround": dict(
+        optimizer="sgd", n=8, micro=2, steps=2, disable=["symbolic_build"]
+    ),
+    "without_logs_workaround": dict(
+        optimizer="sgd", n=8, micro=2, steps=2, disable=["logs"]
+    ),
 }
 # AccumModel(noise_scale=True) at frozen weights: windows of 4 global
 # micro-batches of 2 * 4 samples (4 per replica), drawn with replacement.
 _NOISE_SCALE_CASES = {
-    "noise_scale_frozen": dict(kind="noise_scale", micro=4, steps=4,
-                               windows=400),
+    "noise_scale_frozen": dict(
+        kind="noise_scale", micro=4, steps=4, windows=400
+    ),
 }
 _LOOP_CASES = {
-    "loop_momentum": dict(kind="loop", optimizer="momentum", n=21, micro=2,
-                          steps=3),
-    "loop_adam": dict(kind="loop", optimizer="adam", n=22, micro=3,
-                      steps=2),
+    "loop_momentum": dict(
+        kind="loop", optimizer="momentum", n=21, micro=2, steps=3
+    ),
+    "loop_adam": dict(kind="loop", optimizer="adam", n=22, micro=3, steps=2),
 }
 
 
 def _cases(multi_worker):
-    cases = dict(_FIT_CASES, **_LOOP_CASES, **_OVERFLOW_CASES,
-                 **_NAN_CASES, **_OTHER_CASES, **_NOISE_SCALE_CASES)
-    if multi_worker and not LEGACY:
+    cases = dict(
+        _FIT_CASES,
+        **_LOOP_CASES,
+        **_OVERFLOW_CASES,
+        **_NAN_CASES,
+        **_OTHER_CASES,
+        **_NOISE_SCALE_CASES,
+    )
+    if multi_worker and not tu.TF_KERAS:
         cases.update(_WORKAROUND_CASES)
     return [dict(case, name=name) for name, case in cases.items()]
 
@@ -164,18 +194,29 @@ def run_workers(strategy, cases, workers=1, timeout=_TIMEOUT_S):
                 extra = {}
                 if workers > 1:
                     extra["TF_CONFIG"] = loopback_cluster.tf_config(
-                        ports, index)
+                        ports, index
+                    )
                 outputs.append(os.path.join(tmp, f"out{index}.json"))
                 logs.append(open(os.path.join(tmp, f"log{index}.txt"), "w+"))
-                processes.append(subprocess.Popen(
-                    [sys.executable, _WORKER, f"--strategy={strategy}",
-                     f"--cases={cases_path}", f"--output={outputs[index]}"],
-                    stdout=logs[index], stderr=subprocess.STDOUT,
-                    env=_env(extra), cwd=_ROOT,
-                ))
+                processes.append(
+                    subprocess.Popen(
+                        [
+                            sys.executable,
+                            _WORKER,
+                            f"--strategy={strategy}",
+                            f"--cases={cases_path}",
+                            f"--output={outputs[index]}",
+                        ],
+                        stdout=logs[index],
+                        stderr=subprocess.STDOUT,
+                        env=_env(extra),
+                        cwd=_ROOT,
+                    )
+                )
             deadline = time.monotonic() + timeout
-            while (time.monotonic() < deadline
-                   and any(p.poll() is None for p in processes)):
+            while time.monotonic() < deadline and any(
+                p.poll() is None for p in processes
+            ):
                 # A worker that died leaves the others blocked in a
                 # collective: stop waiting for them.
                 if any(p.poll() not in (None, 0) for p in processes):
@@ -210,8 +251,13 @@ def _reference(result, case):
         fit_kwargs["validation_data"] = tu.regression_data(6, seed=7)
     loss = {"mse": "mse", "scalar_mse": "mse"}[case.get("loss", "mse")]
     history, trajectory = tu.train(
-        model, x, y, case["micro"] * _REPLICAS * case["steps"],
-        epochs=case.get("epochs", 2), optimizer=case["optimizer"], loss=loss,
+        model,
+        x,
+        y,
+        case["micro"] * _REPLICAS * case["steps"],
+        epochs=case.get("epochs", 2),
+        optimizer=case["optimizer"],
+        loss=loss,
         **fit_kwargs,
     )
     return history, trajectory
@@ -293,9 +339,7 @@ class _DistributeTestBase(tf.test.TestCase, parameterized.TestCase):
             for weights in result["trajectory"]
         ]
 
-    @parameterized.named_parameters(
-        (name, name) for name in _FIT_CASES
-    )
+    @parameterized.named_parameters((name, name) for name in _FIT_CASES)
     def test_fit_equals_single_device_large_batch(self, name):
         case = _FIT_CASES[name]
         result = self._result(name)
@@ -307,8 +351,11 @@ class _DistributeTestBase(tf.test.TestCase, parameterized.TestCase):
             # the global per-sample mean, as single-device fit logs it.
             for key in ("loss", "val_loss"):
                 self.assertAllClose(
-                    history.history[key], result["history"][key],
-                    rtol=1e-5, atol=1e-6, msg=key,
+                    history.history[key],
+                    result["history"][key],
+                    rtol=1e-5,
+                    atol=1e-6,
+                    msg=key,
                 )
 
     @parameterized.named_parameters((name, name) for name in _LOOP_CASES)
@@ -318,9 +365,7 @@ class _DistributeTestBase(tf.test.TestCase, parameterized.TestCase):
         _, expected = _reference(result, case)
         tu.assert_same_trajectory(self, expected, self._actual(result))
 
-    @parameterized.named_parameters(
-        (name, name) for name in _OVERFLOW_CASES
-    )
+    @parameterized.named_parameters((name, name) for name in _OVERFLOW_CASES)
     def test_one_replica_overflow_skips_on_every_replica(self, name):
         # Only replica 1's shard of one micro-batch overflows; the flag is
         # summed across replicas, so both leave that micro-batch out, and
@@ -346,9 +391,7 @@ class _DistributeTestBase(tf.test.TestCase, parameterized.TestCase):
         if case.get("kind") != "loop":  # A custom loop logs nothing.
             # Equal on both replicas: not 2 (summed) or 0.5 (one replica's
             # 1 averaged with another's 0).
-            self.assertEqual(
-                result["history"]["skipped_microbatches"], [1.0]
-            )
+            self.assertEqual(result["history"]["skipped_microbatches"], [1.0])
         # Halved once, from 256.
         self.assertEqual(result["loss_scale"], 128.0)
 
@@ -362,8 +405,7 @@ class _DistributeTestBase(tf.test.TestCase, parameterized.TestCase):
         model.set_weights(
             [np.asarray(w, np.float32) for w in result["initial"]]
         )
-        model.compile(optimizer=tu.OPTIMIZERS[case["optimizer"]](),
-                      loss="mse")
+        model.compile(optimizer=tu.OPTIMIZERS[case["optimizer"]](), loss="mse")
         expected = []
         for window in case["kept_windows"]:
             rows = np.concatenate(
@@ -378,8 +420,9 @@ class _DistributeTestBase(tf.test.TestCase, parameterized.TestCase):
     def _gradient_reductions(self, result):
         # A batch with one tensor per trainable variable is the optimizer's
         # gradient all-reduce; the engine's weight sum is one scalar.
-        return [r for r in result["allreduces"]
-                if r[0] == result["num_variables"]]
+        return [
+            r for r in result["allreduces"] if r[0] == result["num_variables"]
+        ]
 
     def test_one_gradient_all_reduce_per_update(self):
         result = self._result("sgd_even")
@@ -416,12 +459,9 @@ class _DistributeTestBase(tf.test.TestCase, parameterized.TestCase):
 
         self.assertEqual(4 * gradient_bytes(accum), gradient_bytes(plain))
 
-
     def test_custom_loop_all_reduces_once_per_update(self):
         result = self._result("loop_momentum")
-        self.assertLen(
-            self._gradient_reductions(result), result["iterations"]
-        )
+        self.assertLen(self._gradient_reductions(result), result["iterations"])
 
     def test_noise_scale_per_replica_measures_the_population(self):
         # Each replica estimates its own window of 4 x 4 samples; the mean
@@ -440,13 +480,13 @@ class _DistributeTestBase(tf.test.TestCase, parameterized.TestCase):
         self.assertAllClose(np.mean(result["grad_sq"]), grad_sq, rtol=0.08)
         self.assertAllClose(
             np.mean(result["trace"]) / np.mean(result["grad_sq"]),
-            b_simple, rtol=0.1,
+            b_simple,
+            rtol=0.1,
         )
         # One global micro-batch: 2 replicas x 4 samples.
         self.assertAllClose(result["micro_batch_weight"], 8.0)
         # Logged equal on every replica (not summed, not halved).
-        self.assertAllClose(result["logged"][-1], result["b_simple"],
-                            rtol=1e-5)
+        self.assertAllClose(result["logged"][-1], result["b_simple"], rtol=1e-5)
         # The estimate rides the weight sum's all-reduce: one vector of
         # 5 float32 per update (the other scalars crossing replicas are
         # Keras' per-step logs under MultiWorkerMirroredStrategy).
@@ -454,7 +494,7 @@ class _DistributeTestBase(tf.test.TestCase, parameterized.TestCase):
         self.assertEqual(records.count((1, 20)), result["iterations"])
 
     def test_empty_shard_does_not_poison_the_logged_loss(self):
-        if LEGACY:
+        if tu.TF_KERAS:
             self.skipTest(
                 "tf_keras' compiled loss tracks the loss itself; an empty "
                 "shard's 0/0 loss logs NaN there, as in plain tf_keras fit"
@@ -477,20 +517,24 @@ class MultiWorkerMirroredStrategyTest(_DistributeTestBase):
 
     def _assert_fails(self, name, message):
         result = self.results()[name]
-        self.assertIn("error", result, f"{name} trained without the "
-                      "workaround: is it still needed?")
+        self.assertIn(
+            "error",
+            result,
+            f"{name} trained without the workaround: is it still needed?",
+        )
         self.assertIn(message, result["error"])
 
     def test_keras_fit_needs_the_workarounds(self):
         # Keras 3.15's own fit fails under MultiWorkerMirroredStrategy for
         # a plain keras.Model; AccumModel trains (the tests above) because
         # of two workarounds, and each one alone is needed.
-        if LEGACY:
+        if tu.TF_KERAS:
             self.skipTest("tf_keras' fit runs under MWMS as it is")
         self._assert_fails("keras_model_unpatched", "PerReplica")
         self._assert_fails("without_symbolic_build_workaround", "PerReplica")
-        self._assert_fails("without_logs_workaround",
-                           "Invalid reduction dimension 0")
+        self._assert_fails(
+            "without_logs_workaround", "Invalid reduction dimension 0"
+        )
 
 
 del _DistributeTestBase

@@ -15,15 +15,23 @@ def _run_example(name, *flags):
     env = dict(os.environ, PYTHONPATH=_ROOT, TF_CPP_MIN_LOG_LEVEL="2")
     return subprocess.run(
         [sys.executable, os.path.join(_ROOT, "examples", name), *flags],
-        capture_output=True, text=True, timeout=240, env=env, check=False,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+        check=False,
     )
 
 
 class TrainExampleTest(tf.test.TestCase):
     def test_accumulated_run_matches_large_batch(self):
         result = _run_example(
-            "train.py", "--samples=600", "--width=32", "--batch_size=16",
-            "--accum_steps=4", "--epochs=1",
+            "train.py",
+            "--samples=600",
+            "--width=32",
+            "--batch_size=16",
+            "--accum_steps=4",
+            "--epochs=1",
         )
         self.assertEqual(result.returncode, 0, result.stderr[-3000:])
         self.assertIn("accum matches the large batch", result.stdout)
@@ -33,12 +41,16 @@ class TrainExampleTest(tf.test.TestCase):
 class PaddedSequencesExampleTest(tf.test.TestCase):
     def test_exact_normalization_beats_naive_averaging(self):
         result = _run_example(
-            "padded_sequences.py", "--batch_size=4", "--accum_steps=3",
-            "--max_len=12", "--units=4",
+            "padded_sequences.py",
+            "--batch_size=4",
+            "--accum_steps=3",
+            "--max_len=12",
+            "--units=4",
         )
         self.assertEqual(result.returncode, 0, result.stderr[-3000:])
-        self.assertIn("exact normalization matches the large batch",
-                      result.stdout)
+        self.assertIn(
+            "exact normalization matches the large batch", result.stdout
+        )
         rows = {
             line[:24].strip(): float(line.split()[-1])
             for line in result.stdout.splitlines()
@@ -52,9 +64,14 @@ class PaddedSequencesExampleTest(tf.test.TestCase):
 class FinetuneKerasHubExampleTest(tf.test.TestCase):
     def test_accumulate_matches_large_batch_and_builtin_does_not(self):
         result = _run_example(
-            "finetune_keras_hub.py", "--texts=24", "--epochs=1",
-            "--batch_size=2", "--accum_steps=3", "--sequence_length=8",
-            "--hidden_dim=8", "--num_layers=1",
+            "finetune_keras_hub.py",
+            "--texts=24",
+            "--epochs=1",
+            "--batch_size=2",
+            "--accum_steps=3",
+            "--sequence_length=8",
+            "--hidden_dim=8",
+            "--num_layers=1",
         )
         self.assertEqual(result.returncode, 0, result.stderr[-3000:])
         self.assertIn("accumulate matches the large batch", result.stdout)
@@ -72,8 +89,11 @@ class FinetuneKerasHubExampleTest(tf.test.TestCase):
 class NoiseScaleExampleTest(tf.test.TestCase):
     def test_prints_the_table_for_every_run(self):
         result = _run_example(
-            "noise_scale.py", "--epochs=2", "--epoch_samples=512",
-            "--large_steps=8", "--width=8",
+            "noise_scale.py",
+            "--epochs=2",
+            "--epoch_samples=512",
+            "--large_steps=8",
+            "--width=8",
         )
         self.assertEqual(result.returncode, 0, result.stderr[-3000:])
         lines = result.stdout.splitlines()

@@ -14,6 +14,7 @@ import tensorflow as tf
 from absl.testing import parameterized
 
 from accum_model import _keras
+from tests import testing_utils as tu
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -69,14 +70,34 @@ class CheckVersionsTest(tf.test.TestCase, parameterized.TestCase):
         _keras.check_versions(tf_version, keras_version, legacy)
 
     @parameterized.named_parameters(
-        ("old_keras_3", "2.16.2", "3.3.3", False,
-         "keras >= 3.14.0 (found 3.3.3)"),
-        ("keras_2_without_legacy", "2.16.2", "2.15.0", False,
-         "found keras 2.15.0; for Keras 2 set TF_USE_LEGACY_KERAS=1"),
-        ("old_tensorflow", "2.15.1", "2.15.0", False,
-         "TensorFlow >= 2.16 (found 2.15.1)"),
-        ("old_tf_keras", "2.16.2", "2.15.1", True,
-         "tf_keras >= 2.16 (found 2.15.1)"),
+        (
+            "old_keras_3",
+            "2.16.2",
+            "3.3.3",
+            False,
+            "keras >= 3.14.0 (found 3.3.3)",
+        ),
+        (
+            "keras_2_without_legacy",
+            "2.16.2",
+            "2.15.0",
+            False,
+            "found keras 2.15.0; for Keras 2 set TF_USE_LEGACY_KERAS=1",
+        ),
+        (
+            "old_tensorflow",
+            "2.15.1",
+            "2.15.0",
+            False,
+            "TensorFlow >= 2.16 (found 2.15.1)",
+        ),
+        (
+            "old_tf_keras",
+            "2.16.2",
+            "2.15.1",
+            True,
+            "tf_keras >= 2.16 (found 2.15.1)",
+        ),
     )
     def test_too_old_raises_one_clear_import_error(
         self, tf_version, keras_version, legacy, found
@@ -92,8 +113,8 @@ class CheckVersionsTest(tf.test.TestCase, parameterized.TestCase):
         # A real import in a fresh interpreter, with the Keras that
         # `tf.keras` resolves to claiming an old release: the user sees the
         # ImportError, before any model is built.
-        package = "tf_keras" if _keras.LEGACY else "keras"
-        old = "2.15.1" if _keras.LEGACY else "3.3.3"
+        package = "tf_keras" if tu.TF_KERAS else "keras"
+        old = "2.15.1" if tu.TF_KERAS else "3.3.3"
         code = textwrap.dedent(f"""
             import {package}
             {package}.__version__ = "{old}"
@@ -101,8 +122,13 @@ class CheckVersionsTest(tf.test.TestCase, parameterized.TestCase):
         """)
         env = dict(os.environ, PYTHONPATH=_ROOT, TF_CPP_MIN_LOG_LEVEL="3")
         result = subprocess.run(
-            [sys.executable, "-c", code], env=env, cwd=_ROOT,
-            capture_output=True, text=True, timeout=300, check=False,
+            [sys.executable, "-c", code],
+            env=env,
+            cwd=_ROOT,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
         )
         self.assertNotEqual(result.returncode, 0, result.stderr)
         last_line = result.stderr.strip().splitlines()[-1]

@@ -21,16 +21,49 @@ try:
 except ImportError:  # Skipped below, with the reason.
     keras_hub = None
 
-_TINY = dict(num_layers=1, num_heads=2, hidden_dim=8, intermediate_dim=16,
-             max_sequence_length=8, dropout=0.0)
-_BERT_VOCAB = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "the", "quick",
-               "fox", "jumps"]
-_TEXTS = ["the quick fox", "fox", "the the jumps", "quick fox the", "fox fox",
-          "the", "jumps quick", "fox quick the jumps", "quick", "the fox"]
+_TINY = dict(
+    num_layers=1,
+    num_heads=2,
+    hidden_dim=8,
+    intermediate_dim=16,
+    max_sequence_length=8,
+    dropout=0.0,
+)
+_BERT_VOCAB = [
+    "[PAD]",
+    "[UNK]",
+    "[CLS]",
+    "[SEP]",
+    "[MASK]",
+    "the",
+    "quick",
+    "fox",
+    "jumps",
+]
+_TEXTS = [
+    "the quick fox",
+    "fox",
+    "the the jumps",
+    "quick fox the",
+    "fox fox",
+    "the",
+    "jumps quick",
+    "fox quick the jumps",
+    "quick",
+    "the fox",
+]
 _LABELS = np.array([0, 1, 0, 1, 1, 0, 1, 0, 1, 0])
 # GPT-2's byte-pair vocabulary: "Ġ" (a space) before a word, merged.
-_GPT2_VOCAB = {"<|endoftext|>": 0, "a": 1, "b": 2, "c": 3, "Ġ": 4, "Ġa": 5,
-               "Ġb": 6, "Ġc": 7}
+_GPT2_VOCAB = {
+    "<|endoftext|>": 0,
+    "a": 1,
+    "b": 2,
+    "c": 3,
+    "Ġ": 4,
+    "Ġa": 5,
+    "Ġb": 6,
+    "Ġc": 7,
+}
 _GPT2_MERGES = ["Ġ a", "Ġ b", "Ġ c"]
 # Different lengths: the preprocessor pads to `sequence_length`.
 _LM_TEXTS = ["a b c", "b", "c a a b", "a", "b b a c a", "c c", "a b"]
@@ -54,8 +87,9 @@ class _DenseGradients:
 
 
 def _optimizer(name, dense=False):
-    cls = {"momentum": keras.optimizers.SGD,
-           "adamw": keras.optimizers.AdamW}[name]
+    cls = {"momentum": keras.optimizers.SGD, "adamw": keras.optimizers.AdamW}[
+        name
+    ]
     if dense:
         cls = type("Dense" + cls.__name__, (_DenseGradients, cls), {})
     if name == "momentum":
@@ -81,8 +115,9 @@ def _bert(cls=None, seed=0, **kwargs):
 def _gpt2(seed=0):
     models = keras_hub.models
     keras.utils.set_random_seed(seed)
-    tokenizer = models.GPT2Tokenizer(vocabulary=_GPT2_VOCAB,
-                                     merges=_GPT2_MERGES)
+    tokenizer = models.GPT2Tokenizer(
+        vocabulary=_GPT2_VOCAB, merges=_GPT2_MERGES
+    )
     return models.GPT2CausalLM(
         models.GPT2Backbone(vocabulary_size=len(_GPT2_VOCAB), **_TINY),
         preprocessor=models.GPT2CausalLMPreprocessor(
@@ -91,8 +126,9 @@ def _gpt2(seed=0):
     )
 
 
-def _fit(task, batch_size, optimizer, epochs=2, y=None, loss="auto",
-         **fit_kwargs):
+def _fit(
+    task, batch_size, optimizer, epochs=2, y=None, loss="auto", **fit_kwargs
+):
     """Compiles `task` with its own defaults but `optimizer`, and fits it.
 
     A plain task (the ground truth) applies its gradients densified.
@@ -101,15 +137,23 @@ def _fit(task, batch_size, optimizer, epochs=2, y=None, loss="auto",
     task.compile(optimizer=_optimizer(optimizer, dense), loss=loss)
     recorder = tu.UpdateRecorder()
     x = _LM_TEXTS if y is None else _TEXTS
-    task.fit(x=x, y=y, batch_size=batch_size, epochs=epochs, verbose=0,
-             callbacks=[recorder], **fit_kwargs)
+    task.fit(
+        x=x,
+        y=y,
+        batch_size=batch_size,
+        epochs=epochs,
+        verbose=0,
+        callbacks=[recorder],
+        **fit_kwargs,
+    )
     return recorder.weights
 
 
 @tu.skip_unless_available("keras_hub")
 class BertTest(tf.test.TestCase, parameterized.TestCase):
-    @parameterized.named_parameters(("momentum", "momentum"),
-                                    ("adamw", "adamw"))
+    @parameterized.named_parameters(
+        ("momentum", "momentum"), ("adamw", "adamw")
+    )
     def test_equals_same_task_at_large_batch(self, optimizer):
         reference = _bert()
         task = tu.copy_weights(reference, _bert(seed=1))
@@ -141,8 +185,9 @@ class BertTest(tf.test.TestCase, parameterized.TestCase):
             warnings.simplefilter("ignore")
             restored = keras.models.load_model(path)
         self.assertIs(type(restored), type(task))
-        self.assertEqual((restored.accum_steps, restored.epoch_end),
-                         (2, "carry"))
+        self.assertEqual(
+            (restored.accum_steps, restored.epoch_end), (2, "carry")
+        )
         self.assertIsNotNone(restored.preprocessor)
         reference = tu.copy_weights(restored, _bert(seed=3))
         expected = _fit(reference, 4, "momentum", y=_LABELS, epochs=1)
@@ -156,12 +201,14 @@ class BertTest(tf.test.TestCase, parameterized.TestCase):
         self.assertIsInstance(clone, AccumModel)
         self.assertEqual(clone.accum_steps, 3)
 
-    @parameterized.named_parameters(("accum_first", True),
-                                    ("accum_second", False))
+    @parameterized.named_parameters(
+        ("accum_first", True), ("accum_second", False)
+    )
     def test_subclass_in_either_order(self, accum_first):
         bert_cls = keras_hub.models.BertTextClassifier
-        bases = (AccumModel, bert_cls) if accum_first else (bert_cls,
-                                                             AccumModel)
+        bases = (
+            (AccumModel, bert_cls) if accum_first else (bert_cls, AccumModel)
+        )
         cls = type("AccumBert", bases, {})
         sw = np.linspace(0.5, 2.0, len(_TEXTS)).astype("float32")
         reference = _bert()
@@ -172,10 +219,18 @@ class BertTest(tf.test.TestCase, parameterized.TestCase):
             model.compile(optimizer=_optimizer("momentum"))
             recorders.append(tu.UpdateRecorder())
             # keras-hub's `fit` takes `sample_weight` fourth.
-            model.fit(_TEXTS, _LABELS, batch, sw, epochs=1, verbose=0,
-                      callbacks=[recorders[-1]])
-        tu.assert_same_trajectory(self, recorders[0].weights,
-                                  recorders[1].weights)
+            model.fit(
+                _TEXTS,
+                _LABELS,
+                batch,
+                sw,
+                epochs=1,
+                verbose=0,
+                callbacks=[recorders[-1]],
+            )
+        tu.assert_same_trajectory(
+            self, recorders[0].weights, recorders[1].weights
+        )
         path = os.path.join(self.get_temp_dir(), "sub.keras")
         task.save(path)
         with warnings.catch_warnings():
@@ -205,8 +260,10 @@ class BertTest(tf.test.TestCase, parameterized.TestCase):
             int(np.prod(v.shape)) * tf.as_dtype(v.dtype).size for v in vs
         )
         self.assertEqual(nbytes(window), nbytes(trainable))
-        self.assertEqual([tuple(v.shape) for v in window],
-                         [tuple(v.shape) for v in trainable])
+        self.assertEqual(
+            [tuple(v.shape) for v in window],
+            [tuple(v.shape) for v in trainable],
+        )
 
 
 @tu.skip_unless_available("keras_hub")

@@ -14,7 +14,6 @@ from absl.testing import parameterized
 from accum_model import AccumModel
 from accum_model import GradientAccumulator
 from accum_model._keras import ADAPTER
-from accum_model._keras import LEGACY
 from accum_model._keras import keras
 from tests import testing_utils as tu
 
@@ -73,8 +72,9 @@ class MixedFloat16Test(_MixedFloat16TestCase):
     def _fit(self, x, y, optimizer, **fit_kwargs):
         model = tu.mlp(AccumModel, accum_steps=_STEPS)
         model.compile(optimizer=optimizer, loss="mse")
-        history = model.fit(x, y, batch_size=_MICRO, shuffle=False,
-                            verbose=0, **fit_kwargs)
+        history = model.fit(
+            x, y, batch_size=_MICRO, shuffle=False, verbose=0, **fit_kwargs
+        )
         return model, history
 
     def test_overflowing_microbatch_is_left_out(self):
@@ -170,8 +170,9 @@ class MixedFloat16Test(_MixedFloat16TestCase):
             reference, tn.sequence_model(AccumModel, accum_steps=_STEPS)
         )
         loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-        _, expected = tu.train(reference, x, y, _MICRO * _STEPS, 2, _lso(),
-                               loss)
+        _, expected = tu.train(
+            reference, x, y, _MICRO * _STEPS, 2, _lso(), loss
+        )
         _, actual = tu.train(model, x, y, _MICRO, 2, _lso(), loss)
         # float16 forward passes: measured 5e-5 (weights move by 4e-2 to
         # 5e-2; sample-count averaging is off by 2e-2 in float32).
@@ -182,8 +183,9 @@ class MixedFloat16Test(_MixedFloat16TestCase):
         model, history = self._fit(x, y, _lso(), epochs=2)
         reference = tu.mlp(keras.Model)
         reference.compile(optimizer=_lso(), loss="mse")
-        expected = reference.fit(x, y, batch_size=_MICRO * _STEPS,
-                                 shuffle=False, verbose=0, epochs=2)
+        expected = reference.fit(
+            x, y, batch_size=_MICRO * _STEPS, shuffle=False, verbose=0, epochs=2
+        )
         self.assertAllClose(
             expected.history["loss"], history.history["loss"], rtol=1e-3
         )
@@ -249,12 +251,13 @@ class CustomLoopLossScaleTest(_MixedFloat16TestCase):
         self.assertEqual(float(ADAPTER.loss_scale(optimizer)), final_scale)
 
     def test_unbuilt_optimizer_in_a_traced_step_is_refused(self):
-        if LEGACY:
+        if tu.TF_KERAS:
             self.skipTest("tf_keras' scale is a variable from the start")
         model = tu.mlp(keras.Model)
         optimizer = _lso()
-        accumulator = GradientAccumulator(model.trainable_variables,
-                                          accum_steps=_STEPS)
+        accumulator = GradientAccumulator(
+            model.trainable_variables, accum_steps=_STEPS
+        )
 
         @tf.function
         def train_step(x, y):

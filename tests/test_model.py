@@ -23,8 +23,17 @@ _SHAPES = (
 )
 
 
-def _reference_and_accum(n, micro, steps, optimizer, epochs=2, seed=0,
-                         data=tu.regression_data, loss="mse", **fit_kwargs):
+def _reference_and_accum(
+    n,
+    micro,
+    steps,
+    optimizer,
+    epochs=2,
+    seed=0,
+    data=tu.regression_data,
+    loss="mse",
+    **fit_kwargs,
+):
     """Per-update weights of plain fit at micro*steps and AccumModel."""
     x, y = data(n, seed=seed)
     reference = tu.mlp(keras.Model, seed=seed)
@@ -38,8 +47,9 @@ def _reference_and_accum(n, micro, steps, optimizer, epochs=2, seed=0,
     return (ref_hist, expected), (hist, actual), model
 
 
-def _probability_loss_sgd_float64(weights, x, y, sample_weight, batch_size,
-                                  epochs, learning_rate):
+def _probability_loss_sgd_float64(
+    weights, x, y, sample_weight, batch_size, epochs, learning_rate
+):
     """`tu.mlp`'s SGD trajectory in float64, by hand, at `batch_size`.
 
     The loss is Keras' `sparse_categorical_crossentropy` on the linear
@@ -106,7 +116,11 @@ class EquivalenceTest(tf.test.TestCase, parameterized.TestCase):
         builtin = tu.copy_weights(reference, tu.mlp(keras.Model))
         _, expected = tu.train(reference, x, y, micro * steps, 2, "sgd")
         _, got = tu.train(
-            builtin, x, y, micro, 2,
+            builtin,
+            x,
+            y,
+            micro,
+            2,
             keras.optimizers.SGD(0.1, gradient_accumulation_steps=steps),
         )
         self.assertGreater(
@@ -127,9 +141,7 @@ class EquivalenceTest(tf.test.TestCase, parameterized.TestCase):
             )
             # The MLP's head is linear: logits. (Read as probabilities, they
             # would be clipped at epsilon; see the ill-conditioned test.)
-            loss = keras.losses.SparseCategoricalCrossentropy(
-                from_logits=True
-            )
+            loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
             _, expected = tu.train(
                 reference, x, y, 8, 2, optimizer, loss, **fit_kwargs
             )
@@ -165,7 +177,8 @@ class EquivalenceTest(tf.test.TestCase, parameterized.TestCase):
         keras_error = tu.trajectory_diff(exact, keras_large)
         accum_error = tu.trajectory_diff(exact, actual)
         self.assertLessEqual(
-            accum_error, keras_error,
+            accum_error,
+            keras_error,
             f"AccumModel is {accum_error:.2e} from the exact trajectory, "
             f"Keras' large batch {keras_error:.2e}",
         )
@@ -198,15 +211,14 @@ class EquivalenceTest(tf.test.TestCase, parameterized.TestCase):
         }
         loss = {
             "reg": "mse",
-            "cls": keras.losses.SparseCategoricalCrossentropy(
-                from_logits=True
-            ),
+            "cls": keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         }
         compile_kwargs = {"loss_weights": {"reg": 0.3, "cls": 2.0}}
         reference = build(keras.Model)
         model = tu.copy_weights(reference, build(AccumModel, accum_steps=3))
-        _, expected = tu.train(reference, x, y, 6, 2, "adam", loss,
-                               compile_kwargs)
+        _, expected = tu.train(
+            reference, x, y, 6, 2, "adam", loss, compile_kwargs
+        )
         _, actual = tu.train(model, x, y, 2, 2, "adam", loss, compile_kwargs)
         tu.assert_same_trajectory(self, expected, actual)
 
@@ -243,8 +255,9 @@ class EquivalenceTest(tf.test.TestCase, parameterized.TestCase):
             inputs = keras.Input((5,), dtype="int32")
             h = keras.layers.Embedding(50, 4)(inputs)
             h = keras.layers.GlobalAveragePooling1D()(h)
-            return cls(inputs=inputs, outputs=keras.layers.Dense(2)(h),
-                       **kwargs)
+            return cls(
+                inputs=inputs, outputs=keras.layers.Dense(2)(h), **kwargs
+            )
 
         rng = np.random.default_rng(0)
         # Few distinct ids, so rows repeat within and across micro-batches.
@@ -262,7 +275,7 @@ class EquivalenceTest(tf.test.TestCase, parameterized.TestCase):
         opt = tu.OPTIMIZERS[optimizer]()
         expected = []
         for start in range(0, len(x), 8):
-            xb, yb = x[start:start + 8], y[start:start + 8]
+            xb, yb = x[start : start + 8], y[start : start + 8]
             with tf.GradientTape() as tape:
                 loss = tf.reduce_mean(tf.square(reference(xb) - yb))
             grads = tape.gradient(loss, reference.trainable_variables)
@@ -334,8 +347,10 @@ class CompiledStepTest(tf.test.TestCase, parameterized.TestCase):
         ("graph", {}),
         ("jit", {"jit_compile": True}),
         ("steps_per_execution", {"steps_per_execution": 3}),
-        ("jit_steps_per_execution",
-         {"jit_compile": True, "steps_per_execution": 2}),
+        (
+            "jit_steps_per_execution",
+            {"jit_compile": True, "steps_per_execution": 2},
+        ),
     )
     def test_execution_modes_equal_large_batch(self, compile_kwargs):
         x, y = tu.regression_data(22)
@@ -402,16 +417,14 @@ class CompiledStepTest(tf.test.TestCase, parameterized.TestCase):
             made.append(original(self, engine))
             return made[-1]
 
-        with mock.patch.object(AccumModel, "_make_flush_function",
-                               recording):
+        with mock.patch.object(AccumModel, "_make_flush_function", recording):
             for _ in range(3):
                 model.fit(x, y, batch_size=2, epochs=2, verbose=0)
         traces = sum(f.experimental_get_tracing_count() for f in made)
         self.assertEqual(traces, 1)
         # A new `compile` (here: another optimizer) must rebuild it.
         model.compile(tu.OPTIMIZERS["adam"](), "mse")
-        with mock.patch.object(AccumModel, "_make_flush_function",
-                               recording):
+        with mock.patch.object(AccumModel, "_make_flush_function", recording):
             model.fit(x, y, batch_size=2, epochs=1, verbose=0)
         self.assertLen(made, 2)
 
@@ -427,15 +440,22 @@ class CompiledStepTest(tf.test.TestCase, parameterized.TestCase):
 
         model.compile(tu.OPTIMIZERS["sgd"](), "mse")
         recorder = tu.UpdateRecorder()
-        model.fit(x, y, batch_size=2, shuffle=False, verbose=0,
-                  callbacks=[Switch(), recorder])
+        model.fit(
+            x,
+            y,
+            batch_size=2,
+            shuffle=False,
+            verbose=0,
+            callbacks=[Switch(), recorder],
+        )
         # Windows of 2, 2 (finishing with the old length), then 3 each.
         sizes = [4, 4, 6, 6, 4]
         reference.compile(tu.OPTIMIZERS["sgd"](), "mse")
         expected, start = [], 0
         for size in sizes:
-            reference.train_on_batch(x[start:start + size],
-                                     y[start:start + size])
+            reference.train_on_batch(
+                x[start : start + size], y[start : start + size]
+            )
             expected.append(reference.get_weights())
             start += size
         tu.assert_same_trajectory(self, expected, recorder.weights)
@@ -450,18 +470,24 @@ class CountersTest(tf.test.TestCase, parameterized.TestCase):
         reference = tu.mlp(keras.Model)
         model = tu.copy_weights(reference, tu.mlp(AccumModel, accum_steps=4))
         builtin = tu.copy_weights(reference, tu.mlp(keras.Model))
-        _, expected = tu.train(reference, x, y, 8, 2,
-                               keras.optimizers.SGD(schedule))
+        _, expected = tu.train(
+            reference, x, y, 8, 2, keras.optimizers.SGD(schedule)
+        )
         _, actual = tu.train(model, x, y, 2, 2, keras.optimizers.SGD(schedule))
         tu.assert_same_trajectory(self, expected, actual)
         self.assertEqual(int(model.optimizer.iterations), len(expected))
-        self.assertAllClose(model.optimizer.learning_rate,
-                            reference.optimizer.learning_rate)
+        self.assertAllClose(
+            model.optimizer.learning_rate, reference.optimizer.learning_rate
+        )
         if not tu.HAS_BUILTIN_ACCUMULATION:
             return
         # Keras' built-in option steps the schedule per micro-batch.
         _, got = tu.train(
-            builtin, x, y, 2, 2,
+            builtin,
+            x,
+            y,
+            2,
+            2,
             keras.optimizers.SGD(schedule, gradient_accumulation_steps=4),
         )
         self.assertGreater(tu.max_abs_diff(expected[-1], got[-1]), 1e-3)
@@ -476,15 +502,16 @@ class CountersTest(tf.test.TestCase, parameterized.TestCase):
         x, y = tu.regression_data(22)
         reference = tu.mlp(keras.Model)
         model = tu.copy_weights(reference, tu.mlp(AccumModel, accum_steps=4))
-        _, expected = tu.train(reference, x, y, 8, 2,
-                               tu.OPTIMIZERS["adam"](**kwargs))
-        _, actual = tu.train(model, x, y, 2, 2,
-                             tu.OPTIMIZERS["adam"](**kwargs))
+        _, expected = tu.train(
+            reference, x, y, 8, 2, tu.OPTIMIZERS["adam"](**kwargs)
+        )
+        _, actual = tu.train(model, x, y, 2, 2, tu.OPTIMIZERS["adam"](**kwargs))
         tu.assert_same_trajectory(self, expected, actual)
         if "use_ema" in kwargs:
             # fit ends by writing the EMA into the weights.
-            self.assertGreater(tu.max_abs_diff(expected[-1],
-                                               reference.get_weights()), 0)
+            self.assertGreater(
+                tu.max_abs_diff(expected[-1], reference.get_weights()), 0
+            )
             tu.assert_same_trajectory(
                 self, [reference.get_weights()], [model.get_weights()]
             )
@@ -504,27 +531,41 @@ class CountersTest(tf.test.TestCase, parameterized.TestCase):
                 keras.callbacks.ReduceLROnPlateau(
                     monitor="val_loss", patience=0, factor=0.9, min_delta=10
                 ),
-                keras.callbacks.EarlyStopping(monitor="val_loss", patience=2,
-                                              min_delta=10),
+                keras.callbacks.EarlyStopping(
+                    monitor="val_loss", patience=2, min_delta=10
+                ),
                 keras.callbacks.ModelCheckpoint(
                     os.path.join(tmp, f"{tag}.keras"), monitor="val_loss"
                 ),
             ]
 
         ref_hist, expected = tu.train(
-            reference, x, y, 6, 5, "adam", validation_data=(xv, yv),
+            reference,
+            x,
+            y,
+            6,
+            5,
+            "adam",
+            validation_data=(xv, yv),
             callbacks=callbacks("ref"),
         )
         hist, actual = tu.train(
-            model, x, y, 2, 5, "adam", validation_data=(xv, yv),
+            model,
+            x,
+            y,
+            2,
+            5,
+            "adam",
+            validation_data=(xv, yv),
             callbacks=callbacks("accum"),
         )
         tu.assert_same_trajectory(self, expected, actual)
         self.assertLen(hist.history["loss"], len(ref_hist.history["loss"]))
-        lr = "lr" if tu.LEGACY else "learning_rate"
+        lr = "lr" if tu.TF_KERAS else "learning_rate"
         self.assertAllClose(hist.history[lr], ref_hist.history[lr])
-        self.assertAllClose(hist.history["val_loss"],
-                            ref_hist.history["val_loss"], atol=1e-5)
+        self.assertAllClose(
+            hist.history["val_loss"], ref_hist.history["val_loss"], atol=1e-5
+        )
         restored = keras.models.load_model(os.path.join(tmp, "accum.keras"))
         tu.assert_same_trajectory(
             self, [model.get_weights()], [restored.get_weights()], atol=0
@@ -555,20 +596,35 @@ class CountersTest(tf.test.TestCase, parameterized.TestCase):
                     raise RuntimeError("interrupted")
 
         model.compile(tu.OPTIMIZERS["adam"](), "mse")
-        callbacks = [keras.callbacks.BackupAndRestore(backup_dir),
-                     Interrupt()]
+        callbacks = [keras.callbacks.BackupAndRestore(backup_dir), Interrupt()]
         with self.assertRaisesRegex(RuntimeError, "interrupted"):
-            model.fit(x, y, batch_size=2, epochs=3, shuffle=False, verbose=0,
-                      callbacks=callbacks)
+            model.fit(
+                x,
+                y,
+                batch_size=2,
+                epochs=3,
+                shuffle=False,
+                verbose=0,
+                callbacks=callbacks,
+            )
         resumed = tu.mlp(AccumModel, seed=3, accum_steps=4, epoch_end="carry")
         resumed.compile(tu.OPTIMIZERS["adam"](), "mse")
-        resumed.fit(x, y, batch_size=2, epochs=3, shuffle=False, verbose=0,
-                    callbacks=callbacks)
+        resumed.fit(
+            x,
+            y,
+            batch_size=2,
+            epochs=3,
+            shuffle=False,
+            verbose=0,
+            callbacks=callbacks,
+        )
         tu.assert_same_trajectory(
             self, [reference.get_weights()], [resumed.get_weights()]
         )
-        self.assertEqual(int(resumed.gradient_accumulator.micro_step),
-                         int(reference.gradient_accumulator.micro_step))
+        self.assertEqual(
+            int(resumed.gradient_accumulator.micro_step),
+            int(reference.gradient_accumulator.micro_step),
+        )
 
 
 class LogsTest(tf.test.TestCase, parameterized.TestCase):
@@ -589,12 +645,17 @@ class LogsTest(tf.test.TestCase, parameterized.TestCase):
         hist, _ = tu.train(model, x, y, 2, 3, "adam", **kwargs)
         self.assertEqual(set(hist.history), set(ref_hist.history))
         for key, values in ref_hist.history.items():
-            self.assertAllClose(hist.history[key], values, atol=1e-5,
-                                msg=key)
-        self.assertAllClose(model.evaluate(xv, yv, verbose=0),
-                            reference.evaluate(xv, yv, verbose=0), atol=1e-5)
-        self.assertAllClose(model.predict(xv, verbose=0),
-                            reference.predict(xv, verbose=0), atol=1e-5)
+            self.assertAllClose(hist.history[key], values, atol=1e-5, msg=key)
+        self.assertAllClose(
+            model.evaluate(xv, yv, verbose=0),
+            reference.evaluate(xv, yv, verbose=0),
+            atol=1e-5,
+        )
+        self.assertAllClose(
+            model.predict(xv, verbose=0),
+            reference.predict(xv, verbose=0),
+            atol=1e-5,
+        )
 
 
 class EpochEndTest(tf.test.TestCase):
@@ -610,10 +671,17 @@ class EpochEndTest(tf.test.TestCase):
                 seen.append(("end", int(self.model.optimizer.iterations)))
 
         model = tu.mlp(AccumModel, accum_steps=4)
-        tu.train(model, x, y, 2, 2, "sgd", validation_data=(x, y),
-                 callbacks=[Watch()])
-        self.assertEqual(seen, [("val", 2), ("end", 2), ("val", 4),
-                                ("end", 4)])
+        tu.train(
+            model,
+            x,
+            y,
+            2,
+            2,
+            "sgd",
+            validation_data=(x, y),
+            callbacks=[Watch()],
+        )
+        self.assertEqual(seen, [("val", 2), ("end", 2), ("val", 4), ("end", 4)])
 
     def test_carry_keeps_the_window_open_across_epochs(self):
         x, y = tu.regression_data(10)
@@ -629,8 +697,7 @@ class EpochEndTest(tf.test.TestCase):
         self.assertEqual(int(model.gradient_accumulator.micro_step), 2)
         xx, yy = np.concatenate([x, x]), np.concatenate([y, y])
         reference.compile(tu.OPTIMIZERS["sgd"](), "mse")
-        reference.fit(xx[:16], yy[:16], batch_size=8, shuffle=False,
-                      verbose=0)
+        reference.fit(xx[:16], yy[:16], batch_size=8, shuffle=False, verbose=0)
         tu.assert_same_trajectory(
             self, [reference.get_weights()], [model.get_weights()]
         )
@@ -662,15 +729,17 @@ class StateTest(tf.test.TestCase, parameterized.TestCase):
     def test_export_holds_only_model_variables(self):
         model = self._trained_mid_window()
         path = os.path.join(self.get_temp_dir(), "exported")
-        model.export(path, **({} if tu.LEGACY else {"verbose": False}))
+        model.export(path, **({} if tu.TF_KERAS else {"verbose": False}))
         restored = tf.saved_model.load(path)
         self.assertLen(restored.variables, len(model.weights))
         x, _ = tu.regression_data(3, seed=5)
-        self.assertAllClose(restored.serve(x), model.predict(x, verbose=0),
-                            atol=1e-6)
+        self.assertAllClose(
+            restored.serve(x), model.predict(x, verbose=0), atol=1e-6
+        )
 
-    @parameterized.named_parameters(("keras", ".keras"),
-                                    ("weights_h5", ".weights.h5"))
+    @parameterized.named_parameters(
+        ("keras", ".keras"), ("weights_h5", ".weights.h5")
+    )
     def test_save_mid_window_resumes_exactly(self, suffix):
         x, y = tu.regression_data(20)
         reference = tu.mlp(AccumModel, accum_steps=4, epoch_end="carry")
@@ -696,8 +765,10 @@ class StateTest(tf.test.TestCase, parameterized.TestCase):
         tu.assert_same_trajectory(
             self, [reference.get_weights()], [restored.get_weights()]
         )
-        self.assertEqual(int(restored.optimizer.iterations),
-                         int(reference.optimizer.iterations))
+        self.assertEqual(
+            int(restored.optimizer.iterations),
+            int(reference.optimizer.iterations),
+        )
 
     def test_config_round_trip_without_custom_objects(self):
         model = tu.mlp(AccumModel, accum_steps=6, epoch_end="carry")
@@ -735,26 +806,30 @@ class StatefulLayersTest(tf.test.TestCase):
             keras.utils.set_random_seed(4)
             inputs = keras.Input((4,))
             h = keras.layers.BatchNormalization(momentum=0.5)(inputs)
-            return cls(inputs=inputs, outputs=keras.layers.Dense(3)(h),
-                       **kwargs)
+            return cls(
+                inputs=inputs, outputs=keras.layers.Dense(3)(h), **kwargs
+            )
 
         x, y = tu.regression_data(16)
         plain = build(keras.Model)
         model = tu.copy_weights(plain, build(AccumModel, accum_steps=4))
         tu.train(plain, x, y, 2, 1, "sgd")
         tu.train(model, x, y, 2, 1, "sgd")
-        self.assertAllClose(model.layers[1].moving_mean,
-                            plain.layers[1].moving_mean)
-        self.assertAllClose(model.layers[1].moving_variance,
-                            plain.layers[1].moving_variance)
+        self.assertAllClose(
+            model.layers[1].moving_mean, plain.layers[1].moving_mean
+        )
+        self.assertAllClose(
+            model.layers[1].moving_variance, plain.layers[1].moving_variance
+        )
 
     def test_dropout_matches_plain_fit_with_one_step(self):
         def build(cls, **kwargs):
             keras.utils.set_random_seed(5)
             inputs = keras.Input((4,))
             h = keras.layers.Dropout(0.5, seed=1)(keras.layers.Dense(8)(inputs))
-            return cls(inputs=inputs, outputs=keras.layers.Dense(3)(h),
-                       **kwargs)
+            return cls(
+                inputs=inputs, outputs=keras.layers.Dense(3)(h), **kwargs
+            )
 
         x, y = tu.regression_data(16)
         plain = build(keras.Model)
@@ -766,13 +841,18 @@ class StatefulLayersTest(tf.test.TestCase):
 
 class ValidationTest(tf.test.TestCase, parameterized.TestCase):
     @parameterized.named_parameters(
-        ("zero", 0), ("negative", -1), ("float", 2.5), ("string", "4"),
-        ("bool", True), ("none", None),
+        ("zero", 0),
+        ("negative", -1),
+        ("float", 2.5),
+        ("string", "4"),
+        ("bool", True),
+        ("none", None),
     )
     def test_bad_accum_steps(self, value):
         message = re.escape(f"Received: accum_steps={value!r}")
-        with self.assertRaisesRegex(ValueError, "`accum_steps` must be an "
-                                    "integer >= 1. " + message):
+        with self.assertRaisesRegex(
+            ValueError, "`accum_steps` must be an integer >= 1. " + message
+        ):
             tu.mlp(AccumModel, accum_steps=value)
         model = tu.mlp(AccumModel, accum_steps=3)
         with self.assertRaisesRegex(ValueError, message):
@@ -793,8 +873,9 @@ class ValidationTest(tf.test.TestCase, parameterized.TestCase):
         return model
 
     def test_numpy_integer_accepted(self):
-        self.assertEqual(tu.mlp(AccumModel, accum_steps=np.int64(4))
-                         .accum_steps, 4)
+        self.assertEqual(
+            tu.mlp(AccumModel, accum_steps=np.int64(4)).accum_steps, 4
+        )
 
     def test_bad_epoch_end(self):
         with self.assertRaisesRegex(
@@ -803,7 +884,7 @@ class ValidationTest(tf.test.TestCase, parameterized.TestCase):
             tu.mlp(AccumModel, epoch_end="flush")
 
     def test_non_tensorflow_backend_is_refused(self):
-        if tu.LEGACY:
+        if tu.TF_KERAS:
             self.skipTest("tf_keras has no backend other than TensorFlow")
         with mock.patch.object(keras.backend, "backend", return_value="jax"):
             with self.assertRaisesRegex(ValueError, "TensorFlow backend"):
@@ -822,8 +903,12 @@ class ConstructionTest(tf.test.TestCase):
 
         bases = AccumModel.__bases__
         x, y = tu.regression_data(8)
-        for build in (lambda: tu.mlp(AccumModel, accum_steps=2), Net,
-                      lambda: tu.mlp(AccumModel, accum_steps=2), Net):
+        for build in (
+            lambda: tu.mlp(AccumModel, accum_steps=2),
+            Net,
+            lambda: tu.mlp(AccumModel, accum_steps=2),
+            Net,
+        ):
             model = build()
             tu.train(model, x, y, 2, 1, "sgd")
             self.assertEqual(int(model.optimizer.iterations), 2)

@@ -179,8 +179,7 @@ class EstimatorTest(tf.test.TestCase, parameterized.TestCase):
         out = []
         for row in indices:
             hs = np.stack(
-                [g[row[a:b]].sum(axis=0)
-                 for a, b in itertools.pairwise(bounds)]
+                [g[row[a:b]].sum(axis=0) for a, b in itertools.pairwise(bounds)]
             )
             out.append((hs, np.array(sizes, np.float64)))
         return out
@@ -204,7 +203,8 @@ class EstimatorTest(tf.test.TestCase, parameterized.TestCase):
         return ema_s / correction, ema_g / correction, count
 
     @parameterized.named_parameters(
-        ("weighted", True, 1), ("unweighted", False, 1),
+        ("weighted", True, 1),
+        ("unweighted", False, 1),
         ("every_third", True, 3),
     )
     def test_moving_averages_follow_the_formula(self, weighted, every):
@@ -290,8 +290,14 @@ def _linear_model(**kwargs):
 def _frozen_fit(model, x, y, micro, callbacks=(), **fit_kwargs):
     model.compile(keras.optimizers.SGD(learning_rate=0.0), "mse")
     return model.fit(
-        x, y, batch_size=micro, epochs=1, shuffle=False, verbose=0,
-        callbacks=list(callbacks), **fit_kwargs,
+        x,
+        y,
+        batch_size=micro,
+        epochs=1,
+        shuffle=False,
+        verbose=0,
+        callbacks=list(callbacks),
+        **fit_kwargs,
     )
 
 
@@ -328,10 +334,10 @@ class AccumModelNoiseScaleTest(tf.test.TestCase, parameterized.TestCase):
         )
         self.assertAllClose(
             model.gradient_noise_scale,
-            history.history["gradient_noise_scale"][-1], rtol=1e-6,
+            history.history["gradient_noise_scale"][-1],
+            rtol=1e-6,
         )
-        _, _, b_simple = problem.population(
-            x, y, *problem.frozen_weights())
+        _, _, b_simple = problem.population(x, y, *problem.frozen_weights())
         # beta=0.999 averages about the last 1000 windows.
         self.assertAllClose(model.gradient_noise_scale, b_simple, rtol=0.1)
         self.assertAllClose(estimator.micro_batch_weight, 4.0)
@@ -353,10 +359,12 @@ class AccumModelNoiseScaleTest(tf.test.TestCase, parameterized.TestCase):
             noise_scale=accum_model.NoiseScale(every=every),
         )
         recorder = _WindowRecorder()
-        model.compile(keras.optimizers.SGD(learning_rate=0.0), "mse",
-                      jit_compile=xla)
-        model.fit(xs, ys, batch_size=4, shuffle=False, verbose=0,
-                  callbacks=[recorder])
+        model.compile(
+            keras.optimizers.SGD(learning_rate=0.0), "mse", jit_compile=xla
+        )
+        model.fit(
+            xs, ys, batch_size=4, shuffle=False, verbose=0, callbacks=[recorder]
+        )
         trace, grad_sq = trace[::every], grad_sq[::every]
         scale = np.abs(trace).max()
         self.assertAllClose(recorder.trace, trace, atol=1e-4 * scale)
@@ -366,8 +374,7 @@ class AccumModelNoiseScaleTest(tf.test.TestCase, parameterized.TestCase):
         x, y = problem.data(64)
         model = _linear_model(accum_steps=1, noise_scale=True)
         history = _frozen_fit(model, x, y, 8)
-        self.assertEqual(model.gradient_accumulator.noise_scale.measurements,
-                         0)
+        self.assertEqual(model.gradient_accumulator.noise_scale.measurements, 0)
         self.assertTrue(np.isnan(history.history["gradient_noise_scale"][0]))
         self.assertTrue(np.isnan(model.gradient_noise_scale))
 
@@ -377,8 +384,7 @@ class AccumModelNoiseScaleTest(tf.test.TestCase, parameterized.TestCase):
             accum_steps=2, noise_scale=accum_model.NoiseScale(every=3)
         )
         _frozen_fit(model, x, y, 4)  # 12 windows: 0, 3, 6, 9 measured
-        self.assertEqual(model.gradient_accumulator.noise_scale.measurements,
-                         4)
+        self.assertEqual(model.gradient_accumulator.noise_scale.measurements, 4)
 
     def test_off_by_default(self):
         x, y = problem.data(32)
@@ -395,8 +401,7 @@ class AccumModelNoiseScaleTest(tf.test.TestCase, parameterized.TestCase):
         config = model.get_config()
         self.assertEqual(config["noise_scale"], {"every": 2, "beta": 0.99})
         restored = AccumModel.from_config(config)
-        self.assertEqual(restored.noise_scale,
-                         accum_model.NoiseScale(every=2))
+        self.assertEqual(restored.noise_scale, accum_model.NoiseScale(every=2))
         self.assertNotIn("noise_scale", _linear_model().get_config())
         x, y = problem.data(16)
         _frozen_fit(model, x, y, 4)
@@ -407,13 +412,15 @@ class AccumModelNoiseScaleTest(tf.test.TestCase, parameterized.TestCase):
 
     def test_saved_with_the_window(self):
         x, y = problem.data(40)
-        model = _linear_model(accum_steps=4, noise_scale=True,
-                              epoch_end="carry")
+        model = _linear_model(
+            accum_steps=4, noise_scale=True, epoch_end="carry"
+        )
         _frozen_fit(model, x, y, 4)  # 2 windows and 2 micro-batches open
         path = os.path.join(self.get_temp_dir(), "m.weights.h5")
         model.save_weights(path)
-        restored = _linear_model(accum_steps=4, noise_scale=True,
-                                 epoch_end="carry")
+        restored = _linear_model(
+            accum_steps=4, noise_scale=True, epoch_end="carry"
+        )
         restored.compile(keras.optimizers.SGD(0.0), "mse")
         restored.load_weights(path)
         before = model.gradient_accumulator.noise_scale
@@ -464,8 +471,9 @@ class MixedFloat16NoiseScaleTest(tf.test.TestCase):
             "mse",
         )
         recorder = _WindowRecorder()
-        model.fit(xs, ys, batch_size=4, shuffle=False, verbose=0,
-                  callbacks=[recorder])
+        model.fit(
+            xs, ys, batch_size=4, shuffle=False, verbose=0, callbacks=[recorder]
+        )
         self.assertEqual(model.skipped_microbatches, 1)
         g = problem.per_sample_gradients(x, y, kernel, bias)
         trace, grad_sq = problem.estimate_by_hand(g, indices, sizes)
@@ -495,8 +503,9 @@ class OffAddsNothingTest(tf.test.TestCase, parameterized.TestCase):
             (_noise_scale.NoiseScaleEstimator, "update"),
             (_noise_scale.NoiseScaleEstimator, "reset_window"),
         ]
-        originals = [(owner, name, getattr(owner, name))
-                     for owner, name in patches]
+        originals = [
+            (owner, name, getattr(owner, name)) for owner, name in patches
+        ]
         for owner, name in patches:
             setattr(owner, name, poison)
 
@@ -578,8 +587,7 @@ class GradientAccumulatorNoiseScaleTest(
                     tf.concat([rows, rows], 0),
                     tf.constant([problem.IN_DIM, 1]),
                 )
-            return accumulator.step(grads, optimizer,
-                                    weight=tf.shape(xb)[0])
+            return accumulator.step(grads, optimizer, weight=tf.shape(xb)[0])
 
         xs, ys, indices = problem.window_data(x, y, sizes, windows)
         bounds = np.cumsum((0,) + tuple(sizes))
@@ -587,7 +595,10 @@ class GradientAccumulatorNoiseScaleTest(
         for w in range(windows):
             base = w * sum(sizes)
             for start, stop in itertools.pairwise(bounds):
-                step(xs[base + start:base + stop], ys[base + start:base + stop])
+                step(
+                    xs[base + start : base + stop],
+                    ys[base + start : base + stop],
+                )
             trace.append(float(accumulator.noise_scale.last_trace_sigma))
             grad_sq.append(float(accumulator.noise_scale.last_grad_sq_norm))
         g = problem.per_sample_gradients(x, y, kernel, bias)
@@ -607,7 +618,8 @@ class GradientAccumulatorNoiseScaleTest(
         sizes = (5, 3, 4)
         trace, grad_sq, g, indices = self._loop(sizes, 5, sparse=True)
         expected_trace, expected_grad_sq = problem.estimate_by_hand(
-            g, indices, sizes)
+            g, indices, sizes
+        )
         scale = np.abs(expected_trace).max()
         self.assertAllClose(trace, expected_trace, atol=1e-4 * scale)
         self.assertAllClose(grad_sq, expected_grad_sq, atol=1e-4 * scale)

@@ -13,7 +13,6 @@ import tensorflow as tf
 from absl.testing import parameterized
 
 from accum_model import AccumModel
-from accum_model._keras import LEGACY
 from accum_model._keras import keras
 from tests import testing_utils as tu
 
@@ -64,12 +63,15 @@ def _three_runs(build, x, y, micro, steps, loss, epochs=1, **fit_kwargs):
     naive = tu.copy_weights(
         reference, build(NaiveAccumModel, accum_steps=steps)
     )
-    _, expected = tu.train(reference, x, y, micro * steps, epochs, "sgd",
-                           loss, **fit_kwargs)
-    _, got_exact = tu.train(exact, x, y, micro, epochs, "sgd", loss,
-                            **fit_kwargs)
-    _, got_naive = tu.train(naive, x, y, micro, epochs, "sgd", loss,
-                            **fit_kwargs)
+    _, expected = tu.train(
+        reference, x, y, micro * steps, epochs, "sgd", loss, **fit_kwargs
+    )
+    _, got_exact = tu.train(
+        exact, x, y, micro, epochs, "sgd", loss, **fit_kwargs
+    )
+    _, got_naive = tu.train(
+        naive, x, y, micro, epochs, "sgd", loss, **fit_kwargs
+    )
     return expected, got_exact, got_naive
 
 
@@ -99,8 +101,12 @@ def _buckets(sample_weight_shape=None, seed=3):
             batch.append(rng.uniform(0.1, 2.0, (samples, length)))
         elif sample_weight_shape == "sample":
             batch.append(rng.uniform(0.1, 2.0, (samples, 1)))
-        batches.append(tuple(np.asarray(b, b.dtype if b.dtype != np.float64
-                                         else "float32") for b in batch))
+        batches.append(
+            tuple(
+                np.asarray(b, b.dtype if b.dtype != np.float64 else "float32")
+                for b in batch
+            )
+        )
     return batches
 
 
@@ -130,7 +136,7 @@ def _bucket_windows_by_hand(model, batches, steps, lr, per_sequence=False):
     token losses over the number of sequences."""
     trajectory = []
     for start in range(0, len(batches), steps):
-        window = batches[start:start + steps]
+        window = batches[start : start + steps]
         with tf.GradientTape() as tape:
             total, tokens = 0.0, 0
             for batch in window:
@@ -162,11 +168,10 @@ class SequenceBucketTest(tf.test.TestCase, parameterized.TestCase):
         ("no_weights", None, "sum_over_batch_size"),
         ("per_token_weights", "token", "sum_over_batch_size"),
         ("per_sample_weights", "sample", "sum_over_batch_size"),
-        ("mean_with_sample_weight_unweighted", None,
-         "mean_with_sample_weight"),
+        ("mean_with_sample_weight_unweighted", None, "mean_with_sample_weight"),
     )
     def test_window_is_the_token_level_mean(self, weights, reduction):
-        if reduction == "mean_with_sample_weight" and LEGACY:
+        if reduction == "mean_with_sample_weight" and tu.TF_KERAS:
             self.skipTest("tf_keras has no mean_with_sample_weight reduction")
         lr = 0.5
         batches = _buckets(weights)
@@ -179,8 +184,13 @@ class SequenceBucketTest(tf.test.TestCase, parameterized.TestCase):
         for cls in (AccumModel, NaiveAccumModel):
             model = bucket_model(cls, accum_steps=2)
             _, trajectories[cls] = tu.train(
-                model, _bucket_dataset(batches), None, None, 1,
-                keras.optimizers.SGD(lr), loss,
+                model,
+                _bucket_dataset(batches),
+                None,
+                None,
+                1,
+                keras.optimizers.SGD(lr),
+                loss,
             )
         tu.assert_same_trajectory(self, expected, trajectories[AccumModel])
         # Weighting by samples (the rule before) is far off.
@@ -199,8 +209,13 @@ class SequenceBucketTest(tf.test.TestCase, parameterized.TestCase):
         )
         model = bucket_model(AccumModel, accum_steps=2)
         _, actual = tu.train(
-            model, _bucket_dataset(batches), None, None, 1,
-            keras.optimizers.SGD(lr), PerSequenceCrossentropy(),
+            model,
+            _bucket_dataset(batches),
+            None,
+            None,
+            1,
+            keras.optimizers.SGD(lr),
+            PerSequenceCrossentropy(),
         )
         tu.assert_same_trajectory(self, expected, actual)
 
@@ -211,7 +226,12 @@ class MaskedLossTest(tf.test.TestCase, parameterized.TestCase):
         x, y = padded_sequences(16, micro=4)
         expected, exact, naive = _three_runs(
             lambda cls, **kw: sequence_model(cls, rnn=rnn, **kw),
-            x, y, micro=4, steps=2, loss=_ce(), epochs=2,
+            x,
+            y,
+            micro=4,
+            steps=2,
+            loss=_ce(),
+            epochs=2,
         )
         tu.assert_same_trajectory(self, expected, exact, atol=1e-5)
         # Sample-count averaging over-weights the short sequences.
@@ -223,7 +243,12 @@ class MaskedLossTest(tf.test.TestCase, parameterized.TestCase):
         # a per-token mask).
         sw = np.linspace(0.2, 2.0, x.size).reshape(x.shape).astype("float32")
         expected, exact, naive = _three_runs(
-            sequence_model, x, y, micro=4, steps=2, loss=_ce(),
+            sequence_model,
+            x,
+            y,
+            micro=4,
+            steps=2,
+            loss=_ce(),
             sample_weight=sw,
         )
         tu.assert_same_trajectory(self, expected, exact, atol=1e-5)
@@ -233,7 +258,7 @@ class MaskedLossTest(tf.test.TestCase, parameterized.TestCase):
 class SampleWeightReductionTest(tf.test.TestCase):
     def setUp(self):
         super().setUp()
-        if LEGACY:
+        if tu.TF_KERAS:
             self.skipTest("tf_keras has no mean_with_sample_weight reduction")
 
     def test_mean_with_sample_weight(self):
@@ -246,8 +271,14 @@ class SampleWeightReductionTest(tf.test.TestCase):
             from_logits=True, reduction="mean_with_sample_weight"
         )
         expected, exact, naive = _three_runs(
-            lambda cls, **kw: tu.mlp(cls, **kw), x, y, micro=4, steps=2,
-            loss=loss, epochs=2, sample_weight=sw,
+            lambda cls, **kw: tu.mlp(cls, **kw),
+            x,
+            y,
+            micro=4,
+            steps=2,
+            loss=loss,
+            epochs=2,
+            sample_weight=sw,
         )
         tu.assert_same_trajectory(self, expected, exact, atol=1e-5)
         self.assertGreater(tu.trajectory_diff(expected, naive), 1e-3)
@@ -273,14 +304,15 @@ class MultiOutputTest(tf.test.TestCase):
         loss = {"a": "mse", "b": _ce()}
         compile_kwargs = {"loss_weights": {"a": 0.5, "b": 2.0}}
         reference = self._build(keras.Model)
-        model = tu.copy_weights(reference, self._build(AccumModel,
-                                                       accum_steps=3))
+        model = tu.copy_weights(
+            reference, self._build(AccumModel, accum_steps=3)
+        )
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            _, expected = tu.train(reference, x, y, 12, 2, "sgd", loss,
-                                   compile_kwargs)
-            _, actual = tu.train(model, x, y, 4, 2, "sgd", loss,
-                                 compile_kwargs)
+            _, expected = tu.train(
+                reference, x, y, 12, 2, "sgd", loss, compile_kwargs
+            )
+            _, actual = tu.train(model, x, y, 4, 2, "sgd", loss, compile_kwargs)
         tu.assert_same_trajectory(self, expected, actual)
         self.assertEmpty(
             [w for w in caught if "divide by different" in str(w.message)]
@@ -296,9 +328,9 @@ class MultiOutputTest(tf.test.TestCase):
         pooled = keras.layers.Dense(1, name="pooled")(
             keras.layers.GlobalAveragePooling1D()(h)
         )
-        model = AccumModel(inputs=inputs, outputs={"seq": seq,
-                                                    "pooled": pooled},
-                           accum_steps=2)
+        model = AccumModel(
+            inputs=inputs, outputs={"seq": seq, "pooled": pooled}, accum_steps=2
+        )
         x, y = padded_sequences(8, micro=2)
         targets = {"seq": y, "pooled": np.zeros((8, 1), "float32")}
         model.compile("sgd", loss={"seq": _ce(), "pooled": "mse"})
@@ -316,14 +348,17 @@ class SumReductionTest(tf.test.TestCase):
         x, y = tu.regression_data(24)
         loss = keras.losses.MeanSquaredError(reduction="sum")
         reference = tu.mlp(keras.Model)
-        model = tu.copy_weights(reference,
-                                tu.mlp(AccumModel, accum_steps=steps))
+        model = tu.copy_weights(
+            reference, tu.mlp(AccumModel, accum_steps=steps)
+        )
         lr = 0.01
-        _, expected = tu.train(reference, x, y, micro * steps, 1,
-                               keras.optimizers.SGD(lr), loss)
+        _, expected = tu.train(
+            reference, x, y, micro * steps, 1, keras.optimizers.SGD(lr), loss
+        )
         with self.assertWarnsRegex(UserWarning, "reduction='sum'"):
-            _, actual = tu.train(model, x, y, micro, 1,
-                                 keras.optimizers.SGD(lr * steps), loss)
+            _, actual = tu.train(
+                model, x, y, micro, 1, keras.optimizers.SGD(lr * steps), loss
+            )
         tu.assert_same_trajectory(self, expected, actual)
 
 
@@ -342,26 +377,31 @@ class HookTest(tf.test.TestCase):
             return tf.reduce_sum(per_token * valid) / tf.reduce_sum(valid)
 
         class TokenModel(AccumModel):
-            def compute_loss(self, x=None, y=None, y_pred=None,
-                             sample_weight=None, **kwargs):
+            def compute_loss(
+                self, x=None, y=None, y_pred=None, sample_weight=None, **kwargs
+            ):
                 return token_loss(y, y_pred)
 
         class ExactTokenModel(TokenModel):
             def compute_loss_normalizer(self, x, y, y_pred, sample_weight):
-                return tf.reduce_sum(tf.cast(tf.not_equal(y, pad),
-                                             tf.float32))
+                return tf.reduce_sum(tf.cast(tf.not_equal(y, pad), tf.float32))
 
         class Reference(keras.Model):
-            def compute_loss(self, x=None, y=None, y_pred=None,
-                             sample_weight=None, **kwargs):
+            def compute_loss(
+                self, x=None, y=None, y_pred=None, sample_weight=None, **kwargs
+            ):
                 return token_loss(y, y_pred)
 
         x, y = padded_sequences(16, micro=4)
         y = np.where(x == 0, pad, y).astype("int32")
-        build = lambda cls, **kw: sequence_model(cls, rnn=False, **kw)
+
+        def build(cls, **kw):
+            return sequence_model(cls, rnn=False, **kw)
+
         reference = build(Reference)
-        exact = tu.copy_weights(reference, build(ExactTokenModel,
-                                                 accum_steps=2))
+        exact = tu.copy_weights(
+            reference, build(ExactTokenModel, accum_steps=2)
+        )
         naive = tu.copy_weights(reference, build(TokenModel, accum_steps=2))
         _, expected = tu.train(reference, x, y, 8, 2, "sgd", None)
         _, got_exact = tu.train(exact, x, y, 4, 2, "sgd", None)

@@ -52,8 +52,9 @@ class _SetAccumStepsAt(keras.callbacks.Callback):
 class _Simulation:
     """What the window should hold, and the plain replay of its updates."""
 
-    def __init__(self, test, x, y, initial, accum_steps, epoch_end,
-                 optimizer, spe):
+    def __init__(
+        self, test, x, y, initial, accum_steps, epoch_end, optimizer, spe
+    ):
         self.test, self.x, self.y = test, x, y
         self.accum_steps = accum_steps
         self.window_len = accum_steps
@@ -89,7 +90,7 @@ class _Simulation:
             self._close()
 
     def fit(self, rows, epochs, change):
-        micro_batches = [rows[i:i + _B] for i in range(0, len(rows), _B)]
+        micro_batches = [rows[i : i + _B] for i in range(0, len(rows), _B)]
         last = len(micro_batches) - 1
         for epoch in range(epochs):
             for i, micro in enumerate(micro_batches):
@@ -97,8 +98,13 @@ class _Simulation:
                 if len(self.pending) >= self.window_len:
                     self._close()
                 end_of_execution = i % self.spe == self.spe - 1 or i == last
-                if (epoch == 0 and change is not None and end_of_execution
-                        and i >= change[0] and not change[2]):
+                if (
+                    epoch == 0
+                    and change is not None
+                    and end_of_execution
+                    and i >= change[0]
+                    and not change[2]
+                ):
                     self.set_accum_steps(change[1])
                     change[2] = True
             if self.epoch_end == "apply":
@@ -131,14 +137,23 @@ class RandomProgramTest(tf.test.TestCase):
         tmp = self.get_temp_dir()
         optimizer = "adam"
         accum_steps, epoch_end, spe = 3, "carry", 1
-        model = tu.mlp(AccumModel, accum_steps=accum_steps,
-                       epoch_end=epoch_end)
+        model = tu.mlp(AccumModel, accum_steps=accum_steps, epoch_end=epoch_end)
         model.compile(optimizer=_optimizer(optimizer), loss="mse")
-        sim = _Simulation(self, x, y, model.get_weights(), accum_steps,
-                          epoch_end, optimizer, spe)
-        operations = ["fit"] * 10 + ["accum_steps", "epoch_end", "apply",
-                                     "reset", "evaluate"] * 2 + [
-            "compile", "save"]
+        sim = _Simulation(
+            self,
+            x,
+            y,
+            model.get_weights(),
+            accum_steps,
+            epoch_end,
+            optimizer,
+            spe,
+        )
+        operations = (
+            ["fit"] * 10
+            + ["accum_steps", "epoch_end", "apply", "reset", "evaluate"] * 2
+            + ["compile", "save"]
+        )
         counts = {}
         for program in range(_PROGRAMS):
             for _ in range(rng.integers(1, 4)):
@@ -157,8 +172,15 @@ class RandomProgramTest(tf.test.TestCase):
                         change = [at, value, False]
                         callbacks.append(_SetAccumStepsAt(at, value))
                     what += f" {size} samples x{epochs} change={change}"
-                    model.fit(x[rows], y[rows], batch_size=_B, epochs=epochs,
-                              shuffle=False, verbose=0, callbacks=callbacks)
+                    model.fit(
+                        x[rows],
+                        y[rows],
+                        batch_size=_B,
+                        epochs=epochs,
+                        shuffle=False,
+                        verbose=0,
+                        callbacks=callbacks,
+                    )
                     sim.fit(rows, epochs, change)
                 elif op == "accum_steps":
                     value = int(rng.integers(1, 5))
@@ -169,8 +191,9 @@ class RandomProgramTest(tf.test.TestCase):
                     model.epoch_end = value
                     sim.epoch_end = value
                 elif op == "apply":
-                    self.assertEqual(model.apply_accumulated(),
-                                     bool(sim.pending), what)
+                    self.assertEqual(
+                        model.apply_accumulated(), bool(sim.pending), what
+                    )
                     sim.flush()
                 elif op == "reset":
                     if model.gradient_accumulator is not None:
@@ -181,7 +204,8 @@ class RandomProgramTest(tf.test.TestCase):
                     self.assertAllClose(
                         model.evaluate(x[rows], y[rows], verbose=0),
                         sim.replay.evaluate(x[rows], y[rows], verbose=0),
-                        atol=1e-5, msg=what,
+                        atol=1e-5,
+                        msg=what,
                     )
                 elif op == "compile":
                     spe = int(rng.integers(1, 4))
@@ -190,11 +214,13 @@ class RandomProgramTest(tf.test.TestCase):
                     else:
                         optimizer = str(rng.choice(["adam", "sgd"]))
                         new = _optimizer(optimizer)
-                        sim.replay.compile(optimizer=_optimizer(optimizer),
-                                           loss="mse")
+                        sim.replay.compile(
+                            optimizer=_optimizer(optimizer), loss="mse"
+                        )
                         sim.applied = 0
-                    model.compile(optimizer=new, loss="mse",
-                                  steps_per_execution=spe)
+                    model.compile(
+                        optimizer=new, loss="mse", steps_per_execution=spe
+                    )
                     sim.spe = spe
                     what += f" spe={spe}"
                 elif op == "save":
@@ -202,11 +228,17 @@ class RandomProgramTest(tf.test.TestCase):
                     path = os.path.join(tmp, f"p{program}{suffix}")
 
                     def fresh():
-                        new = tu.mlp(AccumModel, seed=9,
-                                     accum_steps=sim.accum_steps,
-                                     epoch_end=sim.epoch_end)
-                        new.compile(optimizer=_optimizer(optimizer),
-                                    loss="mse", steps_per_execution=sim.spe)
+                        new = tu.mlp(
+                            AccumModel,
+                            seed=9,
+                            accum_steps=sim.accum_steps,
+                            epoch_end=sim.epoch_end,
+                        )
+                        new.compile(
+                            optimizer=_optimizer(optimizer),
+                            loss="mse",
+                            steps_per_execution=sim.spe,
+                        )
                         new.optimizer.build(new.trainable_variables)
                         return new
 

@@ -19,7 +19,6 @@ from absl.testing import parameterized
 
 from accum_model import AccumModel
 from accum_model import ResumableBackup
-from accum_model._keras import LEGACY
 from accum_model._keras import keras
 from tests import loopback_cluster
 from tests import testing_utils as tu
@@ -57,14 +56,24 @@ def _reference(x, y, epoch_end):
     else:
         # Windows run across epochs: the epochs back to back, in order.
         _, trajectory = tu.train(
-            model, np.concatenate([x] * _EPOCHS),
-            np.concatenate([y] * _EPOCHS), _MICRO * _STEPS, 1,
+            model,
+            np.concatenate([x] * _EPOCHS),
+            np.concatenate([y] * _EPOCHS),
+            _MICRO * _STEPS,
+            1,
         )
     return model, trajectory
 
 
-def _resumable_run(x, y, directory, preemptions, epoch_end="apply",
-                   save_freq=1, steps_per_execution=1):
+def _resumable_run(
+    x,
+    y,
+    directory,
+    preemptions,
+    epoch_end="apply",
+    save_freq=1,
+    steps_per_execution=1,
+):
     """Runs until done, restarting a fresh model after each preemption.
 
     Returns the final model and the callbacks' record of where each restart
@@ -75,17 +84,28 @@ def _resumable_run(x, y, directory, preemptions, epoch_end="apply",
         # A fresh process: another initialization, overwritten by the
         # restore (or, for the first run, the reference's initialization).
         seed = 0 if not resumed else 100 + len(resumed)
-        model = tu.mlp(AccumModel, seed=seed, accum_steps=_STEPS,
-                       epoch_end=epoch_end)
-        model.compile(optimizer=tu.OPTIMIZERS["sgd"](), loss="mse",
-                      steps_per_execution=steps_per_execution)
+        model = tu.mlp(
+            AccumModel, seed=seed, accum_steps=_STEPS, epoch_end=epoch_end
+        )
+        model.compile(
+            optimizer=tu.OPTIMIZERS["sgd"](),
+            loss="mse",
+            steps_per_execution=steps_per_execution,
+        )
         backup = ResumableBackup(directory, save_freq=save_freq)
         callbacks = [backup]
         if preemption is not None:
             callbacks.append(PreemptAt(*preemption))
         try:
-            model.fit(x, y, batch_size=_MICRO, epochs=_EPOCHS, shuffle=False,
-                      verbose=0, callbacks=callbacks)
+            model.fit(
+                x,
+                y,
+                batch_size=_MICRO,
+                epochs=_EPOCHS,
+                shuffle=False,
+                verbose=0,
+                callbacks=callbacks,
+            )
         except Preempted:
             pass
         resumed.append(backup.resumed_from)
@@ -122,32 +142,38 @@ class ResumableBackupTest(tf.test.TestCase, parameterized.TestCase):
         ("twice_in_one_epoch", [(1, 2), (1, 7)], 2),
         ("three_times", [(0, 3), (1, 1), (2, 8)], 1),
     )
-    def test_resume_equals_uninterrupted_large_batch(self, preemptions,
-                                                     save_freq):
+    def test_resume_equals_uninterrupted_large_batch(
+        self, preemptions, save_freq
+    ):
         directory = os.path.join(self.get_temp_dir(), self._testMethodName)
-        model, resumed = _resumable_run(self.x, self.y, directory,
-                                        preemptions, save_freq=save_freq)
+        model, resumed = _resumable_run(
+            self.x, self.y, directory, preemptions, save_freq=save_freq
+        )
         self._assert_matches_reference(model)
         self.assertIsNone(resumed[0])
         for restart in resumed[1:]:
             self.assertIsNotNone(restart)
         # A finished fit deletes its backup.
-        self.assertFalse(os.path.exists(os.path.join(directory,
-                                                     "resume.json")))
+        self.assertFalse(os.path.exists(os.path.join(directory, "resume.json")))
 
     def test_carry_window_across_an_epoch_boundary(self):
         # epoch_end="carry": the window open at the epoch's end (1 micro-
         # batch) is saved at the epoch's end and completed after the
         # restart, in the next epoch.
         directory = os.path.join(self.get_temp_dir(), "carry")
-        model, _ = _resumable_run(self.x, self.y, directory,
-                                  [(1, 0), (1, 9)], epoch_end="carry")
+        model, _ = _resumable_run(
+            self.x, self.y, directory, [(1, 0), (1, 9)], epoch_end="carry"
+        )
         self._assert_matches_reference(model, epoch_end="carry")
 
     def test_steps_per_execution(self):
         directory = os.path.join(self.get_temp_dir(), "spe")
         model, resumed = _resumable_run(
-            self.x, self.y, directory, [(1, 5)], save_freq=2,
+            self.x,
+            self.y,
+            directory,
+            [(1, 5)],
+            save_freq=2,
             steps_per_execution=2,
         )
         self.assertEqual(resumed[1], (1, 6))
@@ -156,19 +182,27 @@ class ResumableBackupTest(tf.test.TestCase, parameterized.TestCase):
     def test_plain_backup_and_restore_replays_the_epoch(self):
         # What Keras' own callback does, for the documentation's claim: the
         # consumed micro-batches are trained again and counted again.
-        if LEGACY:
+        if tu.TF_KERAS:
             self.skipTest("tf_keras' BackupAndRestore works differently")
         directory = os.path.join(self.get_temp_dir(), "keras")
         for preemption in [(1, 4), None]:
             model = tu.mlp(AccumModel, accum_steps=_STEPS)
             model.compile(optimizer=tu.OPTIMIZERS["sgd"](), loss="mse")
-            callbacks = [keras.callbacks.BackupAndRestore(directory,
-                                                          save_freq=1)]
+            callbacks = [
+                keras.callbacks.BackupAndRestore(directory, save_freq=1)
+            ]
             if preemption:
                 callbacks.append(PreemptAt(*preemption))
             try:
-                model.fit(self.x, self.y, batch_size=_MICRO, epochs=_EPOCHS,
-                          shuffle=False, verbose=0, callbacks=callbacks)
+                model.fit(
+                    self.x,
+                    self.y,
+                    batch_size=_MICRO,
+                    epochs=_EPOCHS,
+                    shuffle=False,
+                    verbose=0,
+                    callbacks=callbacks,
+                )
             except Preempted:
                 pass
         reference, trajectory = _reference(self.x, self.y, "apply")
@@ -204,20 +238,34 @@ def _launch_pair(tmp, name, backup_dir, **flags):
     ports = loopback_cluster.free_ports(2)
     processes, logs, outputs = [], [], []
     for index in range(2):
-        env = dict(os.environ, PYTHONPATH=_ROOT, TF_CPP_MIN_LOG_LEVEL="2",
-                   TF_CONFIG=loopback_cluster.tf_config(ports, index))
+        env = dict(
+            os.environ,
+            PYTHONPATH=_ROOT,
+            TF_CPP_MIN_LOG_LEVEL="2",
+            TF_CONFIG=loopback_cluster.tf_config(ports, index),
+        )
         outputs.append(os.path.join(tmp, f"{name}-out{index}.json"))
         logs.append(open(os.path.join(tmp, f"{name}-log{index}.txt"), "w+"))
-        args = [sys.executable, _FAULT_WORKER, f"--backup_dir={backup_dir}",
-                f"--output={outputs[index]}"]
+        args = [
+            sys.executable,
+            _FAULT_WORKER,
+            f"--backup_dir={backup_dir}",
+            f"--output={outputs[index]}",
+        ]
         args += [f"--{k}={v}" for k, v in flags.items()]
-        processes.append(subprocess.Popen(
-            args, stdout=logs[index], stderr=subprocess.STDOUT, env=env,
-            cwd=_ROOT,
-        ))
+        processes.append(
+            subprocess.Popen(
+                args,
+                stdout=logs[index],
+                stderr=subprocess.STDOUT,
+                env=env,
+                cwd=_ROOT,
+            )
+        )
     deadline = time.monotonic() + _LAUNCH_TIMEOUT_S
-    while (time.monotonic() < deadline
-           and any(p.poll() is None for p in processes)):
+    while time.monotonic() < deadline and any(
+        p.poll() is None for p in processes
+    ):
         time.sleep(0.2)
     timed_out = any(p.poll() is None for p in processes)
     for p in processes:
@@ -268,14 +316,14 @@ class MultiWorkerResumeTest(tf.test.TestCase):
         tmp = self.get_temp_dir()
         backup = os.path.join(tmp, "preempt-backup")
         # Mid-window: micro-batch 2 of the epoch's first window of 4.
-        results, codes, texts = _launch_pair(tmp, "preempt", backup,
-                                             preempt="1,1")
+        results, codes, texts = _launch_pair(
+            tmp, "preempt", backup, preempt="1,1"
+        )
         self.assertEqual(codes, [0, 0], texts)
         self.assertEqual([r["preempted"] for r in results], [True, True])
         results, codes, texts = _launch_pair(tmp, "resume", backup)
         self.assertEqual(codes, [0, 0], texts)
-        self.assertEqual([r["resumed_from"] for r in results],
-                         [[1, 2], [1, 2]])
+        self.assertEqual([r["resumed_from"] for r in results], [[1, 2], [1, 2]])
         self._assert_finished_as_reference(results, texts)
 
     def test_killed_worker_stops_the_survivor_then_the_pair_resumes(self):
@@ -284,7 +332,11 @@ class MultiWorkerResumeTest(tf.test.TestCase):
         kill_time = os.path.join(tmp, "kill-time")
         heartbeat_s = 10.0
         results, codes, texts = _launch_pair(
-            tmp, "kill", backup, kill="1,1", kill_time_file=kill_time,
+            tmp,
+            "kill",
+            backup,
+            kill="1,1",
+            kill_time_file=kill_time,
             heartbeat_s=heartbeat_s,
         )
         self.assertEqual(codes[1], -9, texts[1])
@@ -293,16 +345,16 @@ class MultiWorkerResumeTest(tf.test.TestCase):
         self.assertEqual(codes[0], 0, texts[0])
         # The coordination service's heartbeat: the survivor's next
         # collective is aborted with UnavailableError.
-        self.assertEqual(survivor["error"], "UnavailableError",
-                         survivor.get("message"))
+        self.assertEqual(
+            survivor["error"], "UnavailableError", survivor.get("message")
+        )
         with open(kill_time) as f:
             killed_at = float(f.read())
         noticed_after = survivor["error_time"] - killed_at
         self.assertLess(noticed_after, 3 * heartbeat_s, survivor)
         results, codes, texts = _launch_pair(tmp, "relaunch", backup)
         self.assertEqual(codes, [0, 0], texts)
-        self.assertEqual([r["resumed_from"] for r in results],
-                         [[1, 2], [1, 2]])
+        self.assertEqual([r["resumed_from"] for r in results], [[1, 2], [1, 2]])
         self._assert_finished_as_reference(results, texts)
 
 

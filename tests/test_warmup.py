@@ -42,12 +42,17 @@ class ArgumentsTest(tf.test.TestCase, parameterized.TestCase):
         ("no_batch_size", dict(double_at=[10]), "`batch_size`"),
         ("factor", dict(factor=0, max_accum_steps=4), "`factor` must be"),
         ("min", dict(min_accum_steps=0, max_accum_steps=4), "`accum_steps`"),
-        ("max_below_min", dict(min_accum_steps=4, max_accum_steps=2),
-         "`max_accum_steps` must be an integer >= 4"),
-        ("cooldown", dict(max_accum_steps=4, cooldown_windows=0),
-         "`cooldown_windows`"),
-        ("hysteresis", dict(max_accum_steps=4, hysteresis=-1),
-         "`hysteresis`"),
+        (
+            "max_below_min",
+            dict(min_accum_steps=4, max_accum_steps=2),
+            "`max_accum_steps` must be an integer >= 4",
+        ),
+        (
+            "cooldown",
+            dict(max_accum_steps=4, cooldown_windows=0),
+            "`cooldown_windows`",
+        ),
+        ("hysteresis", dict(max_accum_steps=4, hysteresis=-1), "`hysteresis`"),
     )
     def test_bad_arguments(self, kwargs, message):
         with self.assertRaisesRegex(ValueError, message):
@@ -58,22 +63,25 @@ class ArgumentsTest(tf.test.TestCase, parameterized.TestCase):
         model = tu.mlp(keras.Model)
         model.compile("sgd", "mse")
         with self.assertRaisesRegex(ValueError, "needs an `AccumModel`"):
-            model.fit(x, y, verbose=0, callbacks=[
-                AccumStepsWarmup(double_at=[4], batch_size=2)])
+            model.fit(
+                x,
+                y,
+                verbose=0,
+                callbacks=[AccumStepsWarmup(double_at=[4], batch_size=2)],
+            )
 
     def test_noise_rule_needs_the_measurement(self):
         x, y = tu.regression_data(8)
         model = tu.mlp(AccumModel, accum_steps=2)
         model.compile("sgd", "mse")
         with self.assertRaisesRegex(ValueError, "noise_scale=True"):
-            model.fit(x, y, verbose=0, callbacks=[
-                AccumStepsWarmup(max_accum_steps=8)])
+            model.fit(
+                x, y, verbose=0, callbacks=[AccumStepsWarmup(max_accum_steps=8)]
+            )
 
 
 class ScheduleTest(tf.test.TestCase):
-    def test_doubling_schedule_equals_plain_training_on_growing_batches(
-        self
-    ):
+    def test_doubling_schedule_equals_plain_training_on_growing_batches(self):
         def counting():
             class Counting(AccumModel):
                 traces = 0
@@ -88,8 +96,11 @@ class ScheduleTest(tf.test.TestCase):
         reference = tu.mlp(keras.Model)
         model = tu.copy_weights(reference, tu.mlp(counting(), accum_steps=1))
         warmup = AccumStepsWarmup(
-            double_at=[32, 64], batch_size=4, warmup_windows=0,
-            cooldown_windows=1, verbose=0,
+            double_at=[32, 64],
+            batch_size=4,
+            warmup_windows=0,
+            cooldown_windows=1,
+            verbose=0,
         )
         history, actual = tu.train(
             model, x, y, batch_size=4, optimizer="sgd", callbacks=[warmup]
@@ -114,7 +125,6 @@ class ScheduleTest(tf.test.TestCase):
         self.assertEqual(type(model).traces, type(fixed).traces)
 
 
-
 class NoiseScaleRuleTest(tf.test.TestCase):
     def test_settles_at_factor_b_simple_over_micro_batch(self):
         # Frozen weights (learning rate 0) on the problem whose B_simple is
@@ -126,19 +136,32 @@ class NoiseScaleRuleTest(tf.test.TestCase):
         rows = np.random.default_rng(3).integers(0, len(x), size=16000)
         inputs = keras.Input((problem.IN_DIM,))
         model = AccumModel(
-            inputs=inputs, outputs=keras.layers.Dense(1)(inputs),
-            accum_steps=2, noise_scale=accum_model.NoiseScale(beta=0.98),
+            inputs=inputs,
+            outputs=keras.layers.Dense(1)(inputs),
+            accum_steps=2,
+            noise_scale=accum_model.NoiseScale(beta=0.98),
         )
         model.set_weights([kernel, bias])
         model.compile(keras.optimizers.SGD(0.0), "mse")
         factor, micro = 4.0, 4
         warmup = AccumStepsWarmup(
-            factor=factor, min_accum_steps=2, max_accum_steps=32,
-            warmup_windows=50, cooldown_windows=50, hysteresis=0.25,
+            factor=factor,
+            min_accum_steps=2,
+            max_accum_steps=32,
+            warmup_windows=50,
+            cooldown_windows=50,
+            hysteresis=0.25,
             verbose=0,
         )
-        history = model.fit(x[rows], y[rows], batch_size=micro, epochs=1,
-                            shuffle=False, verbose=0, callbacks=[warmup])
+        history = model.fit(
+            x[rows],
+            y[rows],
+            batch_size=micro,
+            epochs=1,
+            shuffle=False,
+            verbose=0,
+            callbacks=[warmup],
+        )
         target = factor * b_simple / micro
         self.assertGreater(target, 4.0)  # the rule has to move it
         self.assertNotEmpty(warmup.changes)

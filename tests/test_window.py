@@ -36,14 +36,20 @@ def _replay(initial, x, y, windows, optimizer="sgd"):
 
 def _chunks(micro_batches, size):
     micro_batches = list(micro_batches)
-    return [micro_batches[i:i + size]
-            for i in range(0, len(micro_batches), size)]
+    return [
+        micro_batches[i : i + size] for i in range(0, len(micro_batches), size)
+    ]
 
 
 def _fit_micro_batches(model, x, y, start, stop):
     if stop > start:
-        model.fit(x[start * _B:stop * _B], y[start * _B:stop * _B],
-                  batch_size=_B, shuffle=False, verbose=0)
+        model.fit(
+            x[start * _B : stop * _B],
+            y[start * _B : stop * _B],
+            batch_size=_B,
+            shuffle=False,
+            verbose=0,
+        )
 
 
 def _restored(model, path):
@@ -65,23 +71,28 @@ class RestoredWindowTest(tf.test.TestCase, parameterized.TestCase):
     model, then apply at once, train on, change `accum_steps` or reset."""
 
     @parameterized.named_parameters(
-        (f"{action}_after_{saved_after}_{suffix.replace('.', '_')[1:]}",
-         saved_after, action, suffix)
+        (
+            f"{action}_after_{saved_after}_{suffix.replace('.', '_')[1:]}",
+            saved_after,
+            action,
+            suffix,
+        )
         for saved_after in (0, 1, _N - 1)
-        for action in ("apply_now", "train_on", "change_accum_steps",
-                       "reset")
+        for action in ("apply_now", "train_on", "change_accum_steps", "reset")
         for suffix in (".keras", ".weights.h5")
     )
-    def test_restored_window_continues_as_uninterrupted(self, saved_after,
-                                                        action, suffix):
+    def test_restored_window_continues_as_uninterrupted(
+        self, saved_after, action, suffix
+    ):
         x, y = tu.regression_data(_M * _B)
         model = tu.mlp(AccumModel, accum_steps=_N, epoch_end="carry")
         initial = model.get_weights()
         model.compile(tu.OPTIMIZERS["sgd"](), "mse")
         opened = _N + saved_after  # One full window, then the open one.
         _fit_micro_batches(model, x, y, 0, opened)
-        path = os.path.join(self.get_temp_dir(),
-                            f"{action}{saved_after}{suffix}")
+        path = os.path.join(
+            self.get_temp_dir(), f"{action}{saved_after}{suffix}"
+        )
         restored = _restored(model, path)
         engine = restored.gradient_accumulator
         self.assertEqual(int(engine.micro_step), saved_after)
@@ -129,7 +140,9 @@ class CheckpointedAccumulatorTest(tf.test.TestCase, parameterized.TestCase):
         optimizer.build(variables)
         accumulator = GradientAccumulator(variables, accum_steps=_N)
         checkpoint = tf.train.Checkpoint(
-            model=model, optimizer=optimizer, accumulator=accumulator,
+            model=model,
+            optimizer=optimizer,
+            accumulator=accumulator,
             unused=unused,
         )
         return model, unused, variables, optimizer, accumulator, checkpoint
@@ -142,7 +155,7 @@ class CheckpointedAccumulatorTest(tf.test.TestCase, parameterized.TestCase):
         )
         initial = model.get_weights()
         for k in range(_N - 1):
-            xb, yb = x[k * _B:(k + 1) * _B], y[k * _B:(k + 1) * _B]
+            xb, yb = x[k * _B : (k + 1) * _B], y[k * _B : (k + 1) * _B]
             with tf.GradientTape() as tape:
                 loss = tf.reduce_mean(tf.square(model(xb) - yb))
             grads = tape.gradient(loss, variables)
@@ -150,8 +163,8 @@ class CheckpointedAccumulatorTest(tf.test.TestCase, parameterized.TestCase):
         path = checkpoint.save(os.path.join(self.get_temp_dir(), "ckpt"))
 
         # A new process: new objects, other initial weights.
-        model2, unused2, _, optimizer2, accumulator2, checkpoint2 = (
-            self._loop(seed=3)
+        model2, unused2, _, optimizer2, accumulator2, checkpoint2 = self._loop(
+            seed=3
         )
         checkpoint2.restore(path).assert_consumed()
         apply = lambda: accumulator2.apply(optimizer2)  # noqa: E731
@@ -188,8 +201,14 @@ class NonFiniteWindowTest(tf.test.TestCase, parameterized.TestCase):
         model.compile(tu.OPTIMIZERS["adam"](), "mse")
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            model.fit(x, y, batch_size=_B, shuffle=False, verbose=0,
-                      callbacks=list(callbacks))
+            model.fit(
+                x,
+                y,
+                batch_size=_B,
+                shuffle=False,
+                verbose=0,
+                callbacks=list(callbacks),
+            )
         return model, initial, [str(w.message) for w in caught]
 
     def _assert_replays(self, model, initial, x, y, windows):
@@ -204,8 +223,11 @@ class NonFiniteWindowTest(tf.test.TestCase, parameterized.TestCase):
 
     def _assert_warned(self, messages, count=1):
         self.assertTrue(
-            any(f"{count} window(s) of accumulated gradients" in m
-                for m in messages), messages,
+            any(
+                f"{count} window(s) of accumulated gradients" in m
+                for m in messages
+            ),
+            messages,
         )
 
     def test_full_window(self):
@@ -252,14 +274,16 @@ class NonFiniteWindowTest(tf.test.TestCase, parameterized.TestCase):
         model, initial, messages = self._fit(x, y)
         self.assertEqual(model.discarded_windows, 0)
         self.assertFalse(any("window(s)" in m for m in messages))
-        self._assert_replays(model, initial, x, y,
-                             [[0, 1, 2], [3, 4, 5], [6, 7]])
+        self._assert_replays(
+            model, initial, x, y, [[0, 1, 2], [3, 4, 5], [6, 7]]
+        )
 
 
 class CustomLoopNonFiniteTest(tf.test.TestCase, parameterized.TestCase):
     @parameterized.named_parameters(("eager", False), ("function", True))
-    def test_nan_window_discarded_and_huge_finite_window_applied(self,
-                                                                in_function):
+    def test_nan_window_discarded_and_huge_finite_window_applied(
+        self, in_function
+    ):
         variable = tf.Variable([1.0, 2.0])
         optimizer = keras.optimizers.SGD(learning_rate=1e-30)
         accumulator = GradientAccumulator([variable], accum_steps=2)

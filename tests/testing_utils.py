@@ -11,6 +11,9 @@ from accum_model._keras import LEGACY
 from accum_model._keras import keras
 
 # Keras 3's optimizers have `gradient_accumulation_steps`; tf_keras' do not.
+# The one place the tests learn which Keras generation runs: other test
+# modules branch or skip on `TF_KERAS` or `skip_unless_available`.
+TF_KERAS = LEGACY
 HAS_BUILTIN_ACCUMULATION = not LEGACY
 
 OPTIMIZERS = {
@@ -29,9 +32,7 @@ def regression_data(n, in_dim=4, out_dim=3, seed=0):
     rng = np.random.default_rng(seed)
     x = rng.normal(size=(n, in_dim)).astype("float32")
     w = rng.normal(size=(in_dim, out_dim)).astype("float32")
-    y = (np.tanh(x @ w) + 0.1 * rng.normal(size=(n, out_dim))).astype(
-        "float32"
-    )
+    y = (np.tanh(x @ w) + 0.1 * rng.normal(size=(n, out_dim))).astype("float32")
     return x, y
 
 
@@ -68,9 +69,7 @@ class UpdateRecorder(keras.callbacks.Callback):
         iterations = int(self.model.optimizer.iterations.numpy())
         if iterations != self._last:
             self._last = iterations
-            self.weights.append(
-                [np.array(w) for w in self.model.get_weights()]
-            )
+            self.weights.append([np.array(w) for w in self.model.get_weights()])
 
     def on_train_begin(self, logs=None):
         self._last = int(self.model.optimizer.iterations.numpy())
@@ -106,8 +105,17 @@ def trajectory_diff(expected, actual):
     return max(max_abs_diff(e, a) for e, a in zip(expected, actual))
 
 
-def train(model, x, y, batch_size, epochs=1, optimizer="sgd", loss="mse",
-          compile_kwargs=None, **fit_kwargs):
+def train(
+    model,
+    x,
+    y,
+    batch_size,
+    epochs=1,
+    optimizer="sgd",
+    loss="mse",
+    compile_kwargs=None,
+    **fit_kwargs,
+):
     """Compiles and fits `model`, returning (history, per-update weights)."""
     if isinstance(optimizer, str):
         optimizer = OPTIMIZERS[optimizer]()
@@ -166,8 +174,10 @@ def save_and_load(model, path, make_model):
 
 def _keras_hub_missing():
     if LEGACY:
-        return ("keras-hub runs on Keras 3 only; TF_USE_LEGACY_KERAS=1 "
-                "selects tf_keras")
+        return (
+            "keras-hub runs on Keras 3 only; TF_USE_LEGACY_KERAS=1 "
+            "selects tf_keras"
+        )
     try:
         import keras_hub  # noqa: F401
     except ImportError as e:
@@ -189,7 +199,8 @@ def skip_unless_available(what):
 
     reasons = {
         "keras_3": "tf_keras (TF_USE_LEGACY_KERAS=1) has no such feature"
-        if LEGACY else None,
+        if LEGACY
+        else None,
         "keras_hub": _keras_hub_missing(),
     }
     reason = reasons[what]
