@@ -61,8 +61,12 @@ def window_data(x, y, sizes, windows, seed=0):
     return x[flat], y[flat], indices
 
 
-def estimate_by_hand(g, indices, sizes):
-    """Per window: the unbiased (S_hat, G2_hat), from exact gradients."""
+def window_sums(g, indices, sizes):
+    """Per window: q, n, W and |sum_k h_k|^2 from per-sample gradients.
+
+    `q = sum_k |h_k|^2 / w_k` with `h_k = w_k g_k` the summed gradient of
+    micro-batch k, `n` the number of micro-batches and `W` the samples.
+    """
     bounds = np.cumsum((0,) + tuple(sizes))
     q = np.zeros(len(indices))
     acc = np.zeros((len(indices), g.shape[1]))
@@ -70,7 +74,11 @@ def estimate_by_hand(g, indices, sizes):
         h = g[indices[:, start:stop]].sum(axis=1)  # w_k g_k
         q += (h**2).sum(axis=1) / (stop - start)
         acc += h
-    weight = float(sum(sizes))
-    a = (acc**2).sum(axis=1)
-    s = (q - a / weight) / (len(sizes) - 1)
+    return q, len(sizes), float(sum(sizes)), (acc**2).sum(axis=1)
+
+
+def estimate_by_hand(g, indices, sizes):
+    """Per window: the unbiased (S_hat, G2_hat), from exact gradients."""
+    q, n, weight, a = window_sums(g, indices, sizes)
+    s = (q - a / weight) / (n - 1)
     return s, a / weight**2 - s / weight

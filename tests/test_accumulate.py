@@ -79,6 +79,9 @@ def _unbuilt_subclassed(seed=0):
     return SmallNet()
 
 
+# The kinds of model each round trip is tested with, by name.
+_ROUND_TRIP_KINDS = [(k, k) for k in ("sequential", "functional", "subclassed")]
+
 _KINDS = {
     "sequential": _sequential,
     "unbuilt_sequential": _unbuilt_sequential,
@@ -374,31 +377,19 @@ class RoundTripTest(tf.test.TestCase, parameterized.TestCase):
         restored.fit(x, y, batch_size=2, shuffle=False, verbose=0)
         self.assertEqual(int(restored.optimizer.iterations), 2)
 
-    @parameterized.named_parameters(
-        ("sequential", "sequential"),
-        ("functional", "functional"),
-        ("subclassed", "subclassed"),
-    )
+    @parameterized.named_parameters(_ROUND_TRIP_KINDS)
     def test_get_config_from_config(self, kind):
         model = self._model(kind)
         restored = type(model).from_config(model.get_config())
         self._assert_accumulating(restored, model)
 
-    @parameterized.named_parameters(
-        ("sequential", "sequential"),
-        ("functional", "functional"),
-        ("subclassed", "subclassed"),
-    )
+    @parameterized.named_parameters(_ROUND_TRIP_KINDS)
     def test_json(self, kind):
         model = self._model(kind)
         restored = keras.models.model_from_json(model.to_json())
         self._assert_accumulating(restored, model)
 
-    @parameterized.named_parameters(
-        ("sequential", "sequential"),
-        ("functional", "functional"),
-        ("subclassed", "subclassed"),
-    )
+    @parameterized.named_parameters(_ROUND_TRIP_KINDS)
     def test_clone_model(self, kind):
         model = self._model(kind)
         clone = keras.models.clone_model(model)
@@ -425,11 +416,7 @@ class RoundTripTest(tf.test.TestCase, parameterized.TestCase):
         self.assertIsInstance(clone, AccumModel)
         self.assertEqual((clone.accum_steps, clone.epoch_end), (4, "carry"))
 
-    @parameterized.named_parameters(
-        ("sequential", "sequential"),
-        ("functional", "functional"),
-        ("subclassed", "subclassed"),
-    )
+    @parameterized.named_parameters(_ROUND_TRIP_KINDS)
     def test_keras_file_in_a_new_process(self, kind):
         # Saved mid-window; loaded where only `accum_model` is imported
         # (and the module that registers the test's own class).

@@ -87,18 +87,6 @@ class SquaredNormTest(tf.test.TestCase):
         self.assertAllClose(_noise_scale.squared_norm([g]), 180000.0)
 
 
-def _window_sums(g, indices, sizes):
-    """Per window: q, n, W and |sum_k h_k|^2 from per-sample gradients."""
-    bounds = np.cumsum((0,) + tuple(sizes))
-    q = np.zeros(len(indices))
-    acc = np.zeros((len(indices), g.shape[1]))
-    for start, stop in itertools.pairwise(bounds):
-        h = g[indices[:, start:stop]].sum(axis=1)  # w_k g_k
-        q += (h**2).sum(axis=1) / (stop - start)
-        acc += h
-    return q, len(sizes), float(sum(sizes)), (acc**2).sum(axis=1)
-
-
 class WindowEstimateTest(tf.test.TestCase, parameterized.TestCase):
     @parameterized.named_parameters(
         (name, sizes) for name, sizes in SIZES.items()
@@ -110,7 +98,7 @@ class WindowEstimateTest(tf.test.TestCase, parameterized.TestCase):
         g = problem.per_sample_gradients(x, y, kernel, bias)
         windows = 4000
         indices = problem.window_indices(sizes, windows, len(x))
-        q, n, weight, norm = _window_sums(g, indices, sizes)
+        q, n, weight, norm = problem.window_sums(g, indices, sizes)
         s_hat, g2_hat, valid = _noise_scale.window_estimate(
             tf.constant(q, tf.float32),
             tf.constant(float(n)),
