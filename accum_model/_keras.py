@@ -14,7 +14,14 @@ them fails on at once (not silently):
   `_renorm_correction_and_moments`, `_compose_transforms`,
   `_update_renorm_statistics` (Keras 3), used by `AccumBatchNormalization`
   in `_batchnorm.py`, which replaces only the moving-statistics update of
-  `BatchNormalization.call`.
+  `BatchNormalization.call`;
+- `_omit_frequent_tracing_warning`, an attribute of TensorFlow's
+  `tf.function`, set in `_model.py` on the epoch-end apply, which each model
+  traces once (the warning would count the models of one process).
+
+Two private Keras functions are wrapped here, at import, for every model:
+`clone_model`'s `_clone_sequential_model` and `_clone_functional_model`
+(`install_clone_hook`); the hook changes only clones of accumulating models.
 
 Releases older than `MIN_KERAS` (or `MIN_TF_KERAS`, `MIN_TENSORFLOW`) lack
 some of these; importing the package there raises one `ImportError` naming
