@@ -1,10 +1,10 @@
 """Gradient accumulation for Keras models, exactly equal to large batches."""
 
+from accum_model._accumulate import accumulate
 from accum_model._accumulator import GradientAccumulator
 from accum_model._batchnorm import AccumBatchNormalization
 from accum_model._batchnorm import replace_batchnorm
 from accum_model._model import AccumModel
-from accum_model._model import accumulate
 from accum_model._noise_scale import NoiseScale
 from accum_model._resume import ResumableBackup
 from accum_model._warmup import AccumStepsWarmup

@@ -1,0 +1,226 @@
+"""`accumulate`: an existing Keras model made to accumulate, in place.
+
+For models the user did not write (`Sequential`, Functional, subclassed,
+loaded from a file, keras-hub tasks): the object's class is swapped for a
+cached subclass of its own class and `AccumModel`, never constructed, and
+the round trips Keras offers (configs, `.keras` files, `clone_model`) bring
+such a model back accumulating.
+"""
+
+import warnings
+
+from accum_model import _keras
+from accum_model._model import _KERAS_CONFIG_CLASSES
+from accum_model._model import AccumModel
+from accum_model._model import _accumulation_config
+from accum_model._model import _init_accumulation
+from accum_model._model import validate_epoch_end
+from accum_model._window import validate_accum_steps
+
+ADAPTER = _keras.ADAPTER
+keras = _keras.keras
+
+
+def accumulate(model, accum_steps, epoch_end="apply"):
+    """Makes an existing Keras model accumulate gradients, in place.
+
+    The one line for a model you did not write: a `keras.Sequential`, a
+    Functional model, a subclassed model, a model loaded from a file, or a
+    keras-hub task (`BertTextClassifier`, `GPT2CausalLM`, ...). Afterwards
+    `fit` trains exactly like `AccumModel`: each optimizer update applies
+    the weighted mean gradient of `accum_steps` micro-batches, equal to
+    training with `batch_size * accum_steps`.
+
+    ```python
+    model = keras_hub.models.GPT2CausalLM.from_preset("gpt2_base_en")
+    accum_model.accumulate(model, accum_steps=8)
+    model.fit(texts, batch_size=4)   # updates of 32 samples
+    ```
+
+    The object stays what it was, with its weights, its optimizer and its
+    compile settings: its class is swapped for a subclass of its own class
+    that also derives from `AccumModel` (cached per class, with the same
+    name), so `isinstance(model, AccumModel)` holds and everything of its
+    own class keeps working: its `fit` signature, a keras-hub task's
+    preprocessor, default `compile()` and `generate()`, `predict`,
+    `summary`, `export`, and its own `train_step` (which accumulates when it
+    calls `super().train_step(data)`). A train function traced before is
+    dropped, so the next `fit` traces the accumulating one. Calling it
+    again on an accumulating model (an `AccumModel` included) only changes
+    `accum_steps` and `epoch_end`.
+
+    `get_config`, `to_json`, `.keras` files and `keras.models.clone_model`
+    bring the model back as its own class, accumulating, with `accum_steps`
+    and `epoch_end` (and saved files with an open window), once
+    `accum_model` is imported.
+
+    Args:
+        model: A `keras.Model` instance, built or not, compiled or not.
+        accum_steps: Int >= 1. Micro-batches per optimizer update; 1 is
+            plain training. Also the read/write property `accum_steps`.
+        epoch_end: `"apply"` (default) applies a partly filled window at
+            the end of every epoch; `"carry"` keeps it open into the next
+            epoch. See `AccumModel`.
+
+    Returns:
+        `model` itself.
+
+    Raises:
+        TypeError: If `model` is not a `keras.Model` instance.
+        ValueError: If `accum_steps` or `epoch_end` is invalid, or Keras
+            does not run on TensorFlow.
+    """
+    if not isinstance(model, keras.Model):
+        raise TypeError(
+            "`model` must be a `keras.Model` instance. Received: "
+            f"model={model!r} of type {type(model).__name__}"
+        )
+    ADAPTER.check_backend()
+    accum_steps = validate_accum_steps(accum_steps)
+    epoch_end = validate_epoch_end(epoch_end)
+    if isinstance(model, AccumModel):
+        model.accum_steps = accum_steps
+        model.epoch_end = epoch_end
+        return model
+    model.__class__ = _accumulating_class(type(model))
+    _init_accumulation(model, accum_steps, epoch_end)
+    # Traced with the class's own `train_step`; `fit` makes a new one.
+    model.train_function = None
+    return model
+
+
+# Under this name Keras saves every class `accumulate` makes; loading it
+# calls `_Accumulating.from_config`.
+_ACCUMULATING_NAME = "accum_model>Accumulating"
+_accumulating_classes = {}
+
+
+def _accumulating_class(base):
+    """The cached `(base, AccumModel)` class `accumulate` gives a `base`.
+
+    Never called to construct (that would run Keras' class rewrite on
+    `AccumModel`, see `ADAPTER.inject_functional`): `accumulate` swaps the
+    class of a built `base` instance, and loading builds the base first.
+    """
+    cls = _accumulating_classes.get(base)
+    if cls is None:
+        namespace = {
+            "__module__": base.__module__,
+            "__qualname__": base.__qualname__,
+            "__doc__": base.__doc__,
+            "_accum_base": base,
+            "get_config": _accumulating_get_config,
+            "from_config": classmethod(_accumulating_from_config),
+            **ADAPTER.accumulating_class_methods(),
+        }
+        if not ADAPTER.functional_like(base):
+            # Not a signature Keras constructs (`clone_model` builds a plain
+            # Functional, which its hook makes accumulate). A Functional
+            # base keeps its own: `X(inputs, outputs)` reaches
+            # `AccumModel.__init__` only without functional arguments.
+            namespace["__init__"] = _refuse_init
+        cls = type(base.__name__, (base, AccumModel), namespace)
+        ADAPTER.register_name(cls, _ACCUMULATING_NAME)
+        _accumulating_classes[base] = cls
+    return cls
+
+
+def _refuse_init(self, model=None):
+    # Not Functional's signature, so `clone_model` builds a plain Functional
+    # (which its hook makes accumulate) instead of calling this class.
+    raise TypeError(
+        f"{type(self).__name__} is made by `accum_model.accumulate(model, "
+        "accum_steps)`; construct the model as its own class, then call "
+        "`accumulate` on it."
+    )
+
+
+def _accumulating_get_config(self):
+    base = type(self)._accum_base
+    definer = next(c for c in base.__mro__ if "get_config" in c.__dict__)
+    if isinstance(self, ADAPTER.functional_class) and (
+        definer in _KERAS_CONFIG_CLASSES
+    ):
+        # Keras' own writes the graph only for classes it may construct.
+        config = ADAPTER.functional_config(self)
+    else:
+        config = dict(base.get_config(self))
+    accumulation = _accumulation_config(self)
+    for key in ("accum_steps", "epoch_end", "noise_scale"):
+        # Reached through `super()` from the base's own `get_config`.
+        config.pop(key, None)
+    return {
+        "base": {
+            "module": base.__module__,
+            "class_name": base.__name__,
+            "registered_name": ADAPTER.registered_name(base),
+            "config": config,
+        },
+        **accumulation,
+    }
+
+
+def _accumulating_from_config(cls, config, custom_objects=None):
+    if "base" not in config:
+        # The base's own config: a deserializer that found this class by
+        # the base's name (`clone_model`'s `custom_objects`) while loading
+        # the base of a saved one, which `_Accumulating` then converts.
+        return cls._accum_base.from_config(config)
+    return _Accumulating.from_config(config, custom_objects=custom_objects)
+
+
+class _Accumulating:
+    """Loads what `accumulate` made: the base from its config, then in place."""
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        del cls
+        base_config = config["base"]
+        if custom_objects:
+            with keras.saving.custom_object_scope(custom_objects):
+                model = ADAPTER.deserialize(base_config)
+        else:
+            model = ADAPTER.deserialize(base_config)
+        model = accumulate(
+            model,
+            accum_steps=config["accum_steps"],
+            epoch_end=config["epoch_end"],
+        )
+        if config.get("noise_scale") is not None:
+            model.noise_scale = config["noise_scale"]
+        return model
+
+    def get_config(self):
+        raise NotImplementedError("Loads models; never an instance.")
+
+
+ADAPTER.register_object(_ACCUMULATING_NAME, _Accumulating)
+
+
+def _clone_hook(model, clone):
+    """Makes a `keras.models.clone_model` clone accumulate like `model`."""
+    if not isinstance(model, AccumModel) or clone is model:
+        return clone
+    base = getattr(type(model), "_accum_base", type(model))
+    if isinstance(clone, AccumModel):
+        clone.accum_steps = model.accum_steps
+        clone.epoch_end = model.epoch_end
+        clone.noise_scale = model.noise_scale
+        return clone
+    if not isinstance(clone, base):
+        warnings.warn(
+            f"`keras.models.clone_model` rebuilt the {base.__name__} "
+            f"{model.name!r} as a plain {type(clone).__name__} (Keras "
+            "clones Functional models by their graph, without the "
+            "attributes their class adds, e.g. a keras-hub preprocessor). "
+            "The clone accumulates like the original. For a clone of the "
+            "model's own class (accumulating too), use "
+            "`type(model).from_config(model.get_config())`.",
+            stacklevel=4,
+        )
+    clone = accumulate(clone, model.accum_steps, model.epoch_end)
+    clone.noise_scale = model.noise_scale
+    return clone
+
+
+ADAPTER.install_clone_hook(_clone_hook)
