@@ -253,9 +253,10 @@ class BertTest(tf.test.TestCase, parameterized.TestCase):
         trainable = task.trainable_variables
         self.assertLess(len(trainable), len(task.weights) // 2)
         engine = task.gradient_accumulator
-        # The window holds one float32 sum per trainable variable (and
-        # scalar counters): as many bytes as the trainable weights.
-        window = [v for v in engine.state_variables if v.shape.rank]
+        # The window holds one float32 sum per trainable variable (besides
+        # counters and a flag per variable): as many bytes as the trainable
+        # weights.
+        window = engine._accumulators
         nbytes = lambda vs: sum(  # noqa: E731
             int(np.prod(v.shape)) * tf.as_dtype(v.dtype).size for v in vs
         )
