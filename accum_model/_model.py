@@ -506,7 +506,7 @@ class AccumModel(
             Bool: whether an update was applied.
         """
         engine = self._accumulation.engine
-        if engine is None or not self._accumulation.stepped:
+        if engine is None or not _went_through_window(self):
             # A `train_step` of its own that applies updates itself (see
             # `_warn_once_on_bypass`): nothing was accumulated.
             return False
@@ -791,14 +791,27 @@ class _AccumulationState(ADAPTER.saveable_base):
             v.assign(tf.zeros_like(v))
         # Discarded before the save: warned about then.
         self.warned_discarded = int(engine.discarded_windows)
-        # The saved window came from steps through it: applicable at once.
-        if int(engine.micro_step) > 0:
-            self.stepped = True
+        _went_through_window(self._model_ref())
+
+
+def _went_through_window(model):
+    """Whether the model's steps go through its window.
+
+    True once a traced step went through it, or once the window holds
+    micro-batches: restored from a save, which tf_keras' `BackupAndRestore`
+    does through a checkpoint of the engine's variables, never calling
+    `load_own_variables`. Such a window is applicable at once, before any
+    step of this process.
+    """
+    state = model._accumulation
+    if not state.stepped and state.engine is not None:
+        state.stepped = int(state.engine.micro_step) > 0
+    return state.stepped
 
 
 def _warn_once_on_bypass(model):
     state = model._accumulation
-    if state.stepped or state.warned_bypass:
+    if state.warned_bypass or _went_through_window(model):
         return
     state.warned_bypass = True
     warnings.warn(
