@@ -20,6 +20,7 @@ Each run happens in a fresh process so that its peak memory is its own.
 
 import multiprocessing
 import os
+import queue as _queue
 import sys
 
 from absl import app
@@ -79,6 +80,9 @@ def build(model_cls, width, seed, **kwargs):
 def run_one(run, config, queue):
     """Trains one configuration; puts (weights, history, peak bytes)."""
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    # TensorFlow's CPU allocator keeps no peak-memory statistics unless it is
+    # the BFC allocator, or oneDNN (on by default only on some CPUs) is on.
+    os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
     import numpy as np
     import tensorflow as tf
 
@@ -161,7 +165,7 @@ def compare(
         queue = context.Queue()
         process = context.Process(target=run_one, args=(run, config, queue))
         process.start()
-        weights, history, updates, peak, device = queue.get(timeout=600)
+        weights, history, updates, peak, device = _result_of(process, queue)
         process.join(timeout=60)
         results[run] = dict(
             weights=weights,
@@ -171,6 +175,20 @@ def compare(
             device=device,
         )
     return results
+
+
+def _result_of(process, queue):
+    """What `process` put on `queue`; raises as soon as it died without."""
+    while True:
+        try:
+            return queue.get(timeout=1)
+        except _queue.Empty:
+            if not process.is_alive():
+                raise RuntimeError(
+                    f"The training process exited with code "
+                    f"{process.exitcode} without a result (its error is "
+                    "above)."
+                ) from None
 
 
 def max_diff(a, b):

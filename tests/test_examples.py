@@ -37,6 +37,29 @@ class TrainExampleTest(tf.test.TestCase):
         self.assertIn("accum matches the large batch", result.stdout)
         self.assertIn("accum (B=16, N=4)", result.stdout)
 
+    def test_a_run_that_dies_is_reported_not_waited_for(self):
+        # A training process that exits without a result (a crash in
+        # TensorFlow) stops the example with its exit code, instead of a
+        # wait for a result that never comes.
+        code = (
+            "import multiprocessing, sys\n"
+            f"sys.path.insert(0, {os.path.join(_ROOT, 'examples')!r})\n"
+            "import train\n"
+            "context = multiprocessing.get_context('spawn')\n"
+            "process = context.Process(target=sys.exit, args=(3,))\n"
+            "process.start()\n"
+            "train._result_of(process, context.Queue())\n"
+        )
+        result = subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        self.assertNotEqual(result.returncode, 0)
+        self.assertIn("exited with code 3 without a result", result.stderr)
+
 
 class PaddedSequencesExampleTest(tf.test.TestCase):
     def test_exact_normalization_beats_naive_averaging(self):
