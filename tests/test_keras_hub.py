@@ -270,9 +270,8 @@ class BertTest(tf.test.TestCase, parameterized.TestCase):
 @tu.skip_unless_available("keras_hub")
 class GPT2Test(tf.test.TestCase, parameterized.TestCase):
     @parameterized.named_parameters(
-        ("momentum", "momentum", "auto"),
         ("adamw", "adamw", "auto"),
-        # Per valid token rather than over B*T with padding.
+        # Per valid token rather than over B*T with padding; momentum.
         ("per_token_loss", "momentum", "per_token"),
     )
     def test_equals_same_task_at_large_batch(self, optimizer, loss):
