@@ -23,6 +23,27 @@ from tests import testing_utils as tu
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def _run_bench_fit(*flags):
+    """Runs `bench_fit.py --quick` with `flags`; (its result, its JSON path)."""
+    path = os.path.join(tempfile.mkdtemp(), "bench.json")
+    env = dict(os.environ, PYTHONPATH=_ROOT, TF_CPP_MIN_LOG_LEVEL="2")
+    result = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(_ROOT, "benchmarks", "bench_fit.py"),
+            "--quick",
+            *flags,
+            f"--json={path}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        check=False,
+    )
+    return result, path
+
+
 @functools.lru_cache(maxsize=None)
 def _load_bench_fit():
     # Once per process: loading it again would define its flags twice.
@@ -71,22 +92,7 @@ class BenchFitTest(tf.test.TestCase):
         self.assertEqual(median_interval([3, 1, 2, 5, 4]), (1, 5, 1 - 2 / 32))
 
     def test_quick_run_reports_every_contender_and_workload(self):
-        path = os.path.join(tempfile.mkdtemp(), "bench.json")
-        env = dict(os.environ, PYTHONPATH=_ROOT, TF_CPP_MIN_LOG_LEVEL="2")
-        result = subprocess.run(
-            [
-                sys.executable,
-                os.path.join(_ROOT, "benchmarks", "bench_fit.py"),
-                "--quick",
-                "--optimizers=adamw",
-                f"--json={path}",
-            ],
-            capture_output=True,
-            text=True,
-            timeout=300,
-            env=env,
-            check=False,
-        )
+        result, path = _run_bench_fit("--optimizers=adamw")
         self.assertEqual(result.returncode, 0, result.stderr[-3000:])
         with open(path) as f:
             report = json.load(f)
@@ -131,24 +137,11 @@ class BenchFitTest(tf.test.TestCase):
 
 class BenchFitNoiseScaleTest(tf.test.TestCase):
     def test_noise_scale_contenders_are_timed_against_accum(self):
-        path = os.path.join(tempfile.mkdtemp(), "bench.json")
-        env = dict(os.environ, PYTHONPATH=_ROOT, TF_CPP_MIN_LOG_LEVEL="2")
-        result = subprocess.run(
-            [
-                sys.executable,
-                os.path.join(_ROOT, "benchmarks", "bench_fit.py"),
-                "--quick",
-                "--workloads=mlp",
-                "--optimizers=sgd",
-                "--contenders=accum_again",
-                "--noise_scale_every=1,3",
-                f"--json={path}",
-            ],
-            capture_output=True,
-            text=True,
-            timeout=300,
-            env=env,
-            check=False,
+        result, path = _run_bench_fit(
+            "--workloads=mlp",
+            "--optimizers=sgd",
+            "--contenders=accum_again",
+            "--noise_scale_every=1,3",
         )
         self.assertEqual(result.returncode, 0, result.stderr[-3000:])
         with open(path) as f:

@@ -130,9 +130,10 @@ _WORKAROUND_CASES = {
 }
 # AccumModel(noise_scale=True) at frozen weights: windows of 4 global
 # micro-batches of 2 * 4 samples (4 per replica), drawn with replacement.
+_NOISE_SCALE_WINDOWS = 400
 _NOISE_SCALE_CASES = {
     "noise_scale_frozen": dict(
-        kind="noise_scale", micro=4, steps=4, windows=400
+        kind="noise_scale", micro=4, steps=4, windows=_NOISE_SCALE_WINDOWS
     ),
 }
 _LOOP_CASES = {
@@ -152,6 +153,12 @@ def _cases(multi_worker):
         **_OTHER_CASES,
         **_NOISE_SCALE_CASES,
     )
+    if multi_worker:
+        # The estimate's statistics are checked under MirroredStrategy; the
+        # workers check how it crosses them, on a tenth of the windows.
+        cases["noise_scale_frozen"] = dict(
+            cases["noise_scale_frozen"], windows=_NOISE_SCALE_WINDOWS // 10
+        )
     if multi_worker and not tu.TF_KERAS:
         cases.update(_WORKAROUND_CASES)
     return [dict(case, name=name) for name, case in cases.items()]
@@ -469,20 +476,23 @@ class _DistributeTestBase(tf.test.TestCase, parameterized.TestCase):
         # (With the same data a single device pools 4 x 8 samples per
         # window instead: another unbiased estimate, not the same number.)
         result = self._result("noise_scale_frozen")
-        x, y = noise_scale_problem.data()
-        kernel, bias = noise_scale_problem.frozen_weights()
-        grad_sq, trace, b_simple = noise_scale_problem.population(
-            x, y, kernel, bias
-        )
-        self.assertLen(result["trace"], 400)
-        # Standard errors about 2% here (800 replica windows).
-        self.assertAllClose(np.mean(result["trace"]), trace, rtol=0.08)
-        self.assertAllClose(np.mean(result["grad_sq"]), grad_sq, rtol=0.08)
-        self.assertAllClose(
-            np.mean(result["trace"]) / np.mean(result["grad_sq"]),
-            b_simple,
-            rtol=0.1,
-        )
+        if self.workers == 1:
+            x, y = noise_scale_problem.data()
+            kernel, bias = noise_scale_problem.frozen_weights()
+            grad_sq, trace, b_simple = noise_scale_problem.population(
+                x, y, kernel, bias
+            )
+            self.assertLen(result["trace"], _NOISE_SCALE_WINDOWS)
+            # Standard errors about 2% here (800 replica windows).
+            self.assertAllClose(np.mean(result["trace"]), trace, rtol=0.08)
+            self.assertAllClose(np.mean(result["grad_sq"]), grad_sq, rtol=0.08)
+            self.assertAllClose(
+                np.mean(result["trace"]) / np.mean(result["grad_sq"]),
+                b_simple,
+                rtol=0.1,
+            )
+        else:
+            self.assertLen(result["trace"], _NOISE_SCALE_WINDOWS // 10)
         # One global micro-batch: 2 replicas x 4 samples.
         self.assertAllClose(result["micro_batch_weight"], 8.0)
         # Logged equal on every replica (not summed, not halved).

@@ -73,11 +73,12 @@ def _resumable_run(
     epoch_end="apply",
     save_freq=1,
     steps_per_execution=1,
+    backup_class=ResumableBackup,
 ):
     """Runs until done, restarting a fresh model after each preemption.
 
     Returns the final model and the callbacks' record of where each restart
-    resumed from.
+    resumed from (None for a `backup_class` that does not say).
     """
     resumed = []
     for preemption in list(preemptions) + [None]:
@@ -92,7 +93,7 @@ def _resumable_run(
             loss="mse",
             steps_per_execution=steps_per_execution,
         )
-        backup = ResumableBackup(directory, save_freq=save_freq)
+        backup = backup_class(directory, save_freq=save_freq)
         callbacks = [backup]
         if preemption is not None:
             callbacks.append(PreemptAt(*preemption))
@@ -108,7 +109,7 @@ def _resumable_run(
             )
         except Preempted:
             pass
-        resumed.append(backup.resumed_from)
+        resumed.append(getattr(backup, "resumed_from", None))
     return model, resumed
 
 
@@ -185,26 +186,13 @@ class ResumableBackupTest(tf.test.TestCase, parameterized.TestCase):
         if tu.TF_KERAS:
             self.skipTest("tf_keras' BackupAndRestore works differently")
         directory = os.path.join(self.get_temp_dir(), "keras")
-        for preemption in [(1, 4), None]:
-            model = tu.mlp(AccumModel, accum_steps=_STEPS)
-            model.compile(optimizer=tu.OPTIMIZERS["sgd"](), loss="mse")
-            callbacks = [
-                keras.callbacks.BackupAndRestore(directory, save_freq=1)
-            ]
-            if preemption:
-                callbacks.append(PreemptAt(*preemption))
-            try:
-                model.fit(
-                    self.x,
-                    self.y,
-                    batch_size=_MICRO,
-                    epochs=_EPOCHS,
-                    shuffle=False,
-                    verbose=0,
-                    callbacks=callbacks,
-                )
-            except Preempted:
-                pass
+        model, _ = _resumable_run(
+            self.x,
+            self.y,
+            directory,
+            [(1, 4)],
+            backup_class=keras.callbacks.BackupAndRestore,
+        )
         reference, trajectory = _reference(self.x, self.y, "apply")
         self.assertGreater(int(model.optimizer.iterations), len(trajectory))
         self.assertGreater(
