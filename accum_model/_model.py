@@ -12,7 +12,7 @@ from accum_model import _noise_scale
 from accum_model import _normalizers
 from accum_model import _optimizer
 from accum_model._accumulator import GradientAccumulator
-from accum_model._window import LEGACY_STATE_TAIL
+from accum_model._window import APPENDED_STATE_COUNT
 from accum_model._window import validate_accum_steps
 
 ADAPTER = _keras.ADAPTER
@@ -780,7 +780,7 @@ class _AccumulationState(ADAPTER.saveable_base):
             return
         engine = self.build()
         state = engine.state_variables
-        if len(keys) not in (len(state), len(state) - LEGACY_STATE_TAIL):
+        if len(keys) not in (len(state), len(state) - APPENDED_STATE_COUNT):
             raise ValueError(
                 "The saved accumulation state does not match this model: "
                 f"expected {len(state)} variables, received {len(keys)}."

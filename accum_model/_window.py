@@ -31,7 +31,7 @@ _FIRST = tf.VariableAggregation.ONLY_FIRST_REPLICA
 # The last variables of `Window.state_variables` that files saved by earlier
 # versions lack: which variables received gradients (then known again from
 # the next traced step) and the count of discarded windows (then 0).
-LEGACY_STATE_TAIL = 2
+APPENDED_STATE_COUNT = 2
 
 
 def validate_accum_steps(accum_steps):
@@ -221,7 +221,7 @@ class Window(tf.Module):
         with the model); also what the accumulation costs in memory.
         """
         # Appended ones last: a file saved without them still loads (see
-        # `LEGACY_STATE_TAIL`).
+        # `APPENDED_STATE_COUNT`).
         return (
             [
                 self._micro_step,
