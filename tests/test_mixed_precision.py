@@ -61,11 +61,7 @@ class _MixedFloat16TestCase(tf.test.TestCase, parameterized.TestCase):
 
     def setUp(self):
         super().setUp()
-        keras.mixed_precision.set_global_policy("mixed_float16")
-
-    def tearDown(self):
-        keras.mixed_precision.set_global_policy("float32")
-        super().tearDown()
+        tu.use_policy(self, "mixed_float16")
 
 
 class MixedFloat16Test(_MixedFloat16TestCase):
@@ -290,16 +286,12 @@ class CustomLoopLossScaleTest(_MixedFloat16TestCase):
 
 
 class MixedBfloat16Test(tf.test.TestCase):
-    def tearDown(self):
-        keras.mixed_precision.set_global_policy("float32")
-        super().tearDown()
-
     def test_close_to_float32_large_batch(self):
         x, y = _data()
         reference = _reference_weights(
             x, y, [[0, 1], [2, 3]], keras.optimizers.SGD(0.1)
         )
-        keras.mixed_precision.set_global_policy("mixed_bfloat16")
+        tu.use_policy(self, "mixed_bfloat16")
         model = tu.mlp(AccumModel, accum_steps=_STEPS)
         model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
         model.fit(x, y, batch_size=_MICRO, shuffle=False, verbose=0)

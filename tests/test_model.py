@@ -189,9 +189,8 @@ class EquivalenceTest(tf.test.TestCase, parameterized.TestCase):
         # Keras 3 keeps a global dtype policy made from floatx when first
         # read: both are set.
         keras.backend.set_floatx("float64")
-        keras.mixed_precision.set_global_policy("float64")
         self.addCleanup(keras.backend.set_floatx, "float32")
-        self.addCleanup(keras.mixed_precision.set_global_policy, "float32")
+        tu.use_policy(self, "float64")
         x, y = tu.classification_data(22)
         x = x.astype("float64")
         sw = np.linspace(0.1, 2.0, len(x))

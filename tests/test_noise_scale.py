@@ -13,6 +13,7 @@ from accum_model import GradientAccumulator
 from accum_model import _noise_scale
 from accum_model._keras import keras
 from tests import noise_scale_problem as problem
+from tests import testing_utils as tu
 
 # Windows of micro-batch sizes; the estimator must not need them equal.
 SIZES = {
@@ -437,11 +438,7 @@ class AccumModelNoiseScaleTest(tf.test.TestCase, parameterized.TestCase):
 class MixedFloat16NoiseScaleTest(tf.test.TestCase):
     def setUp(self):
         super().setUp()
-        keras.mixed_precision.set_global_policy("mixed_float16")
-
-    def tearDown(self):
-        keras.mixed_precision.set_global_policy("float32")
-        super().tearDown()
+        tu.use_policy(self, "mixed_float16")
 
     def test_skipped_micro_batches_are_left_out(self):
         sizes = (4, 4, 4, 4)

@@ -139,6 +139,12 @@ def as_dataset(x, y, batch_size):
     return tf.data.Dataset.from_tensor_slices((x, y)).batch(batch_size)
 
 
+def use_policy(test, name):
+    """Sets the global dtype policy `name` until `test` ends."""
+    keras.mixed_precision.set_global_policy(name)
+    test.addCleanup(keras.mixed_precision.set_global_policy, "float32")
+
+
 def scale_loss(optimizer, loss):
     """`loss` scaled by a LossScaleOptimizer, as its generation's loops do."""
     if LEGACY:
