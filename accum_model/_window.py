@@ -286,6 +286,16 @@ class Window(tf.Module):
         """
         grads = self._checked(grads)
         weight = tf.cast(weight, tf.float32)
+        # Every state change of a micro-batch waits for its data: Keras runs
+        # the train function once more at the end of an epoch of unknown
+        # length, and that call's iterator runs dry. Ops that do not depend
+        # on the data (a counter's increment) would still run in it; with
+        # this dependence none does, and the next close (which reads the
+        # counter) waits too.
+        with tf.control_dependencies(_data_of(grads, weight)):
+            self._add_after_data(grads, weight, weighted, is_finite)
+
+    def _add_after_data(self, grads, weight, weighted, is_finite):
         # Python state, shared by the replicas' traces: only ever grows, and
         # every replica computes the same union, whatever the trace order.
         self._received = [
@@ -484,3 +494,14 @@ class Window(tf.Module):
         self._weight_sum.assign(0.0)
         if self._noise_scale is not None:
             self._noise_scale.reset_window(closed)
+
+
+def _data_of(grads, weight):
+    """The tensors of a micro-batch that exist only once its data has come."""
+    tensors = [weight]
+    for g in grads:
+        if isinstance(g, tf.IndexedSlices):
+            tensors.append(g.values)
+        elif g is not None:
+            tensors.append(g)
+    return [t for t in tensors if isinstance(t, tf.Tensor)]

@@ -192,11 +192,21 @@ def _fit(strategy, case):
         initial = model.get_weights()
         optimizer = _optimizer(case)
         allreduce_counter.reset()
+        batch_size = case["micro"] * replicas
+        if case.get("pipeline") == "filter":
+            # A dataset of unknown length: Keras calls the train function
+            # once more at each epoch's end, with an iterator that runs dry.
+            x = (
+                tf.data.Dataset.from_tensor_slices((x, y))
+                .filter(lambda a, b: True)
+                .batch(batch_size)
+            )
+            y, batch_size = None, None
         history, trajectory = tu.train(
             model,
             x,
             y,
-            batch_size=case["micro"] * replicas,
+            batch_size=batch_size,
             epochs=case.get("epochs", 2),
             optimizer=optimizer,
             loss=LOSSES[case.get("loss", "mse")],

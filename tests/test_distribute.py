@@ -46,6 +46,11 @@ _FIT_CASES = {
     "momentum_partial_window_apply": dict(
         optimizer="momentum", n=17, micro=2, steps=3, epoch_end="apply"
     ),
+    # The empty-shard case fed as a dataset of unknown length (`filter`):
+    # the dry call at each epoch's end must leave the window alone.
+    "adam_unknown_length_empty_shard": dict(
+        optimizer="adam", n=21, micro=2, steps=3, pipeline="filter"
+    ),
     "sgd_accum_steps_one": dict(optimizer="sgd", n=10, micro=2, steps=1),
     # A loss that reduces itself gives NaN on an empty shard: the weights
     # must not see it (its weight is 0), nor the logged loss.
