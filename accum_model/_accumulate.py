@@ -10,6 +10,7 @@ such a model back accumulating.
 import warnings
 
 from accum_model import _keras
+from accum_model import _noise_scale
 from accum_model._model import _KERAS_CONFIG_CLASSES
 from accum_model._model import AccumModel
 from accum_model._model import _accumulation_config
@@ -20,8 +21,12 @@ from accum_model._window import validate_accum_steps
 ADAPTER = _keras.ADAPTER
 keras = _keras.keras
 
+# `accumulate`'s default `noise_scale`: off for a model made to accumulate
+# now, unchanged for one that already does.
+_UNSET = type("Unset", (), {"__repr__": lambda self: "False"})()
 
-def accumulate(model, accum_steps, epoch_end="apply"):
+
+def accumulate(model, accum_steps, epoch_end="apply", noise_scale=_UNSET):
     """Makes an existing Keras model accumulate gradients, in place.
 
     The one line for a model you did not write: a `keras.Sequential`, a
@@ -61,13 +66,21 @@ def accumulate(model, accum_steps, epoch_end="apply"):
         epoch_end: `"apply"` (default) applies a partly filled window at
             the end of every epoch; `"carry"` keeps it open into the next
             epoch. See `AccumModel`.
+        noise_scale: `False` (the default: off, or unchanged on a model
+            that already accumulates), `True` or an
+            `accum_model.NoiseScale(every=..., beta=...)`: measure the
+            gradient noise scale of the windows, as `AccumModel` does
+            (`logs["gradient_noise_scale"]`, docs/noise_scale.md). It can
+            change only before the model's first training step.
 
     Returns:
         `model` itself.
 
     Raises:
-        TypeError: If `model` is not a `keras.Model` instance.
-        ValueError: If `accum_steps` or `epoch_end` is invalid, or Keras
+        TypeError: If `model` is not a `keras.Model` instance, or
+            `noise_scale` is not one of the above.
+        ValueError: If `accum_steps` or `epoch_end` is invalid, if
+            `noise_scale` changes on a model that has trained, or if Keras
             does not run on TensorFlow.
     """
     if not isinstance(model, keras.Model):
@@ -79,11 +92,17 @@ def accumulate(model, accum_steps, epoch_end="apply"):
     accum_steps = validate_accum_steps(accum_steps)
     epoch_end = validate_epoch_end(epoch_end)
     if isinstance(model, AccumModel):
+        if noise_scale is not _UNSET:
+            # Checked first: nothing changes when it is refused.
+            model.noise_scale = noise_scale
         model.accum_steps = accum_steps
         model.epoch_end = epoch_end
         return model
+    noise_scale = _noise_scale.as_config(
+        None if noise_scale is _UNSET else noise_scale
+    )
     model.__class__ = _accumulating_class(type(model))
-    _init_accumulation(model, accum_steps, epoch_end)
+    _init_accumulation(model, accum_steps, epoch_end, noise_scale)
     # Traced with the class's own `train_step`; `fit` makes a new one.
     model.train_function = None
     return model
@@ -181,14 +200,12 @@ class _Accumulating:
                 model = ADAPTER.deserialize(base_config)
         else:
             model = ADAPTER.deserialize(base_config)
-        model = accumulate(
+        return accumulate(
             model,
             accum_steps=config["accum_steps"],
             epoch_end=config["epoch_end"],
+            noise_scale=config.get("noise_scale"),
         )
-        if config.get("noise_scale") is not None:
-            model.noise_scale = config["noise_scale"]
-        return model
 
     def get_config(self):
         raise NotImplementedError("Loads models; never an instance.")
@@ -218,9 +235,9 @@ def _clone_hook(model, clone):
             "`type(model).from_config(model.get_config())`.",
             stacklevel=4,
         )
-    clone = accumulate(clone, model.accum_steps, model.epoch_end)
-    clone.noise_scale = model.noise_scale
-    return clone
+    return accumulate(
+        clone, model.accum_steps, model.epoch_end, model.noise_scale
+    )
 
 
 ADAPTER.install_clone_hook(_clone_hook)

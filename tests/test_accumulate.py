@@ -396,6 +396,47 @@ class RoundTripTest(tf.test.TestCase, parameterized.TestCase):
         self.assertIsNot(clone, model)
         self._assert_accumulating(clone, model)
 
+    def test_noise_scale_argument_measures_as_accum_model_does(self):
+        # The same micro-batches, weights and windows: the estimate of a
+        # `Sequential` made to accumulate is that of an `AccumModel`.
+        x, y = tu.regression_data(64)
+        model = accumulate(_sequential(), 4, noise_scale=True)
+        other = _sequential()
+        reference = tu.copy_weights(
+            model,
+            AccumModel(
+                inputs=other.inputs,
+                outputs=other.outputs,
+                accum_steps=4,
+                noise_scale=True,
+            ),
+        )
+        histories = [
+            tu.train(m, x, y, 4, 2, "sgd")[0] for m in (model, reference)
+        ]
+        estimates = [h.history["gradient_noise_scale"] for h in histories]
+        self.assertTrue(np.all(np.isfinite(estimates[0])))
+        self.assertAllClose(estimates[0], estimates[1], rtol=1e-5)
+        self.assertEqual(model.noise_scale, accum_model.NoiseScale())
+
+    def test_noise_scale_argument_refused_before_any_change(self):
+        model = _sequential()
+        cls = type(model)
+        with self.assertRaisesRegex(TypeError, "noise_scale=3"):
+            accumulate(model, 4, noise_scale=3)
+        self.assertIs(type(model), cls)
+        # After training the measurement is part of the compiled step.
+        model = accumulate(_sequential(), 2)
+        x, y = tu.regression_data(8)
+        tu.train(model, x, y, 2, 1)
+        with self.assertRaisesRegex(ValueError, "before the model is trained"):
+            accumulate(model, 8, noise_scale=True)
+        self.assertEqual(model.accum_steps, 2)
+        self.assertIsNone(model.noise_scale)
+        # Left out, it stays as it is.
+        accumulate(model, 8)
+        self.assertEqual(model.accum_steps, 8)
+
     def test_noise_scale_setting_travels(self):
         model = accumulate(_sequential(), 4)
         model.noise_scale = True
