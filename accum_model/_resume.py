@@ -54,6 +54,10 @@ class ResumableBackup(ADAPTER.callback_base):
     (`shuffle=False`, or a `tf.data` pipeline seeded per epoch), the same
     `batch_size`, `steps_per_execution` and number of workers. Metrics of
     the resumed epoch count only the batches trained after the restart.
+    Callbacks see every batch index of the epoch; for the skipped ones
+    `on_train_batch_end` gets the logs of the last batch trained before the
+    backup (saved with it), so a callback that reads `logs["loss"]` reads
+    the last loss known.
 
     Under `MultiWorkerMirroredStrategy` every worker must have the callback
     (saving reads replicated state with collectives): the chief writes to
@@ -98,6 +102,7 @@ class ResumableBackup(ADAPTER.callback_base):
         self._since_save = 0
         self._saves = 0
         self._skipping = False
+        self._last_logs = {}
         self.resumed_from = None
 
     # Paths
@@ -121,7 +126,11 @@ class ResumableBackup(ADAPTER.callback_base):
         return os.path.join(self._directory(), _METADATA)
 
     def read_metadata(self):
-        """The saved position: `{"epoch", "batches", "weights"}`, or None."""
+        """The saved position: `{"epoch", "batches", "weights", "logs"}`.
+
+        Returns None when there is no backup. `"logs"` are the scalar logs
+        of the last batch trained before it.
+        """
         path = self._metadata_path()
         if not os.path.exists(path):
             return None
@@ -152,9 +161,9 @@ class ResumableBackup(ADAPTER.callback_base):
         self._epoch, self._consumed = epoch, batches
         ADAPTER.start_at_epoch(self.model, epoch)
         if batches:
-            self._skip_batches(batches)
+            self._skip_batches(batches, metadata.get("logs", {}))
 
-    def _skip_batches(self, count):
+    def _skip_batches(self, count, logs):
         # `fit` looks `train_function` up before every step, so a wrapper
         # set here sees the first calls: each one draws the batches a step
         # would consume, runs no step, and callbacks still see the true
@@ -172,7 +181,9 @@ class ResumableBackup(ADAPTER.callback_base):
             for _ in range(min(spe, left[0])):
                 next(iterator)
             left[0] -= min(spe, left[0])
-            return {}
+            # Keras hands these to `on_train_batch_end`: never `{}`, which
+            # a callback reading `logs["loss"]` would fail on.
+            return dict(logs)
 
         self._skipping = True
         model.train_function = skipping_train_function
@@ -187,6 +198,7 @@ class ResumableBackup(ADAPTER.callback_base):
     def on_train_batch_end(self, batch, logs=None):
         if self._skipping:
             return
+        self._last_logs = _scalars(logs)
         consumed = batch + 1  # `batch` is the last index run by the call.
         self._since_save += consumed - self._consumed
         self._consumed = consumed
@@ -223,7 +235,15 @@ class ResumableBackup(ADAPTER.callback_base):
         # an interruption while saving leaves the previous backup whole.
         temporary = self._metadata_path() + ".tmp"
         with open(temporary, "w") as f:
-            json.dump({"epoch": epoch, "batches": batches, "weights": name}, f)
+            json.dump(
+                {
+                    "epoch": epoch,
+                    "batches": batches,
+                    "weights": name,
+                    "logs": self._last_logs if batches else {},
+                },
+                f,
+            )
         os.replace(temporary, self._metadata_path())
         self._since_save = 0
         if previous is not None and previous["weights"] != name:
@@ -233,3 +253,13 @@ class ResumableBackup(ADAPTER.callback_base):
         for path in ADAPTER.backup_files(os.path.join(directory, name)):
             if os.path.exists(path):
                 os.remove(path)
+
+
+def _scalars(logs):
+    """The scalar entries of `logs` as Python floats (JSON, and portable)."""
+    scalars = {}
+    for key, value in (logs or {}).items():
+        value = np.asarray(value)
+        if value.size == 1 and np.issubdtype(value.dtype, np.number):
+            scalars[key] = float(value.reshape(()))
+    return scalars

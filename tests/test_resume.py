@@ -74,11 +74,13 @@ def _resumable_run(
     save_freq=1,
     steps_per_execution=1,
     backup_class=ResumableBackup,
+    watch=None,
 ):
     """Runs until done, restarting a fresh model after each preemption.
 
     Returns the final model and the callbacks' record of where each restart
-    resumed from (None for a `backup_class` that does not say).
+    resumed from (None for a `backup_class` that does not say). `watch`, a
+    callback made anew for each run, comes after the backup.
     """
     resumed = []
     for preemption in list(preemptions) + [None]:
@@ -94,7 +96,7 @@ def _resumable_run(
             steps_per_execution=steps_per_execution,
         )
         backup = backup_class(directory, save_freq=save_freq)
-        callbacks = [backup]
+        callbacks = [backup] + ([watch()] if watch else [])
         if preemption is not None:
             callbacks.append(PreemptAt(*preemption))
         try:
@@ -166,6 +168,36 @@ class ResumableBackupTest(tf.test.TestCase, parameterized.TestCase):
             self.x, self.y, directory, [(1, 0), (1, 9)], epoch_end="carry"
         )
         self._assert_matches_reference(model, epoch_end="carry")
+
+    def test_skipped_batches_show_the_last_logs_to_callbacks(self):
+        # Before: the skipped batches gave callbacks `logs={}`, and one that
+        # reads `logs["loss"]` failed on the restart.
+        runs = []
+
+        class ReadsLoss(keras.callbacks.Callback):
+            def __init__(self):
+                super().__init__()
+                self.seen = {}
+                runs.append(self)
+
+            def on_epoch_begin(self, epoch, logs=None):
+                self.epoch = epoch
+
+            def on_train_batch_end(self, batch, logs=None):
+                self.seen[(self.epoch, batch)] = float(logs["loss"])
+
+        directory = os.path.join(self.get_temp_dir(), "logs")
+        model, resumed = _resumable_run(
+            self.x, self.y, directory, [(1, 4)], watch=ReadsLoss
+        )
+        self.assertEqual(resumed[1], (1, 5))
+        self._assert_matches_reference(model)
+        first, second = runs
+        # Batches 0-4 of epoch 1 are skipped: each shows the loss of batch 4,
+        # the last trained before the backup; batch 5 on is trained anew.
+        for batch in range(5):
+            self.assertEqual(second.seen[(1, batch)], first.seen[(1, 4)])
+        self.assertIn((1, 5), second.seen)
 
     def test_steps_per_execution(self):
         directory = os.path.join(self.get_temp_dir(), "spe")
