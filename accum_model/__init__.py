@@ -6,6 +6,7 @@ from accum_model._batchnorm import AccumBatchNormalization
 from accum_model._batchnorm import replace_batchnorm
 from accum_model._model import AccumModel
 from accum_model._noise_scale import NoiseScale
+from accum_model._plain import save_plain
 from accum_model._resume import ResumableBackup
 from accum_model._warmup import AccumStepsWarmup
 
@@ -18,5 +19,6 @@ __all__ = [
     "ResumableBackup",
     "accumulate",
     "replace_batchnorm",
+    "save_plain",
 ]
 __version__ = "0.1.0"

@@ -154,6 +154,14 @@ def _refuse_init(self, model=None):
     )
 
 
+# The key of an accumulating model's config that names its own class. The
+# rest is that class's config with the accumulation settings beside it, so
+# `keras.Sequential.from_config` and `keras.Model.from_config` (which ignore
+# keys they do not know) rebuild it as a plain model.
+_BASE_KEY = "accumulating_base"
+_SETTINGS = ("accum_steps", "epoch_end", "noise_scale")
+
+
 def _accumulating_get_config(self):
     base = type(self)._accum_base
     definer = next(c for c in base.__mro__ if "get_config" in c.__dict__)
@@ -164,23 +172,20 @@ def _accumulating_get_config(self):
         config = ADAPTER.functional_config(self)
     else:
         config = dict(base.get_config(self))
-    accumulation = _accumulation_config(self)
-    for key in ("accum_steps", "epoch_end", "noise_scale"):
+    for key in _SETTINGS:
         # Reached through `super()` from the base's own `get_config`.
         config.pop(key, None)
-    return {
-        "base": {
-            "module": base.__module__,
-            "class_name": base.__name__,
-            "registered_name": ADAPTER.registered_name(base),
-            "config": config,
-        },
-        **accumulation,
+    config.update(_accumulation_config(self))
+    config[_BASE_KEY] = {
+        "module": base.__module__,
+        "class_name": base.__name__,
+        "registered_name": ADAPTER.registered_name(base),
     }
+    return config
 
 
 def _accumulating_from_config(cls, config, custom_objects=None):
-    if "base" not in config:
+    if _BASE_KEY not in config:
         # The base's own config: a deserializer that found this class by
         # the base's name (`clone_model`'s `custom_objects`) while loading
         # the base of a saved one, which `_Accumulating` then converts.
@@ -194,18 +199,16 @@ class _Accumulating:
     @classmethod
     def from_config(cls, config, custom_objects=None):
         del cls
-        base_config = config["base"]
+        config = dict(config)
+        base_config = dict(config.pop(_BASE_KEY))
+        settings = {key: config.pop(key, None) for key in _SETTINGS}
+        base_config["config"] = config
         if custom_objects:
             with keras.saving.custom_object_scope(custom_objects):
                 model = ADAPTER.deserialize(base_config)
         else:
             model = ADAPTER.deserialize(base_config)
-        return accumulate(
-            model,
-            accum_steps=config["accum_steps"],
-            epoch_end=config["epoch_end"],
-            noise_scale=config.get("noise_scale"),
-        )
+        return accumulate(model, **settings)
 
     def get_config(self):
         raise NotImplementedError("Loads models; never an instance.")

@@ -344,8 +344,7 @@ class AccumModel(
         applied, whether a full window, the epoch-end apply or
         `apply_accumulated()` closes it: it is discarded whole, counted here
         (over the life of the model; also in the training logs as
-        `"discarded_windows"` when a `LossScaleOptimizer` is in use) and a
-        warning says so. The weights stay those
+        `"discarded_windows"`) and a warning says so. The weights stay those
         of the last finite update, so `TerminateOnNaN` stops on finite
         weights.
         """
@@ -457,12 +456,15 @@ class AccumModel(
                 logs["gradient_noise_scale"] = ADAPTER.replica_log(
                     self, engine.noise_scale.b_simple
                 )
+            # In every precision: a NaN gradient can come with a finite
+            # loss (ReLU on a NaN input), which `TerminateOnNaN` never sees;
+            # a callback can stop on this count instead.
+            logs["discarded_windows"] = ADAPTER.replica_log(
+                self, engine.discarded_windows
+            )
             if scaling:
                 # Where non-finite gradients are expected; elsewhere the
-                # logs stay those of plain fit (a warning reports them).
-                logs["discarded_windows"] = ADAPTER.replica_log(
-                    self, engine.discarded_windows
-                )
+                # logs stay those of plain fit.
                 logs["skipped_microbatches"] = ADAPTER.replica_log(
                     self, engine.skipped_steps
                 )
@@ -711,6 +713,8 @@ class _AccumulationState(ADAPTER.saveable_base):
         # `accumulate_gradients`), and whether the model warned it did not.
         self.stepped = False
         self.warned_bypass = False
+        # Set by `save_plain`: the file is for Keras alone, without a window.
+        self.saving_plain = False
 
     def _obj_type(self):
         return ADAPTER.saveable_obj_type
@@ -766,7 +770,7 @@ class _AccumulationState(ADAPTER.saveable_base):
         return engine
 
     def save_own_variables(self, store):
-        if self.engine is None:
+        if self.engine is None or self.saving_plain:
             return
         for i, v in enumerate(self.engine.state_variables):
             store[str(i)] = v.numpy()

@@ -269,6 +269,22 @@ class NonFiniteWindowTest(tf.test.TestCase, parameterized.TestCase):
         self.assertEqual(model.discarded_windows, 1)
         self._assert_replays(model, initial, x, y, [[0, 1, 2]])
 
+    def test_discarded_count_in_the_logs_in_float32(self):
+        # A callback can stop on it without loss scaling: before, the count
+        # was logged only under a LossScaleOptimizer.
+        seen = []
+
+        class Watch(keras.callbacks.Callback):
+            def on_train_batch_end(self, batch, logs=None):
+                seen.append(float(logs["discarded_windows"]))
+
+        x, y = tu.regression_data(8 * _B)
+        x = _with_nan(x, [4])
+        model, _, _ = self._fit(x, y, callbacks=[Watch()])
+        # Window [3-5] closes, and is discarded, at micro-batch 5.
+        self.assertEqual(seen, [0, 0, 0, 0, 0, 1, 1, 1])
+        self.assertEqual(model.history.history["discarded_windows"], [1])
+
     def test_a_finite_run_discards_nothing(self):
         x, y = tu.regression_data(8 * _B)
         model, initial, messages = self._fit(x, y)

@@ -1,0 +1,70 @@
+"""`save_plain`: a file of an accumulating model that Keras alone loads.
+
+An accumulating model is saved under `accum_model`'s class names, so loading
+it needs `accum_model` installed. For a service that only runs inference,
+`save_plain` writes the model as the class it is without accumulation: the
+class it had before `accumulate`, or Keras' Functional model for a
+functional `AccumModel`.
+"""
+
+from accum_model import _keras
+from accum_model._model import AccumModel
+
+ADAPTER = _keras.ADAPTER
+
+
+def save_plain(model, filepath, **kwargs):
+    """Saves `model` so that Keras alone, without `accum_model`, loads it.
+
+    ```python
+    accum_model.save_plain(model, "model.keras")
+    # elsewhere, without accum_model installed:
+    model = keras.models.load_model("model.keras")
+    ```
+
+    The file names the model's own class (a `keras.Sequential`, a
+    Functional `keras.Model`, a keras-hub task, your registered subclass),
+    with its config, weights, compile settings and optimizer state, as
+    `model.save` writes them for that class. Not saved: the accumulation
+    settings and an open window of accumulated gradients (save with
+    `model.save` to resume training). Layers of `accum_model`
+    (`AccumBatchNormalization`) still need it to load.
+
+    Args:
+        model: An accumulating model: made by `accumulate`, or a functional
+            `AccumModel`.
+        filepath: Where to save, as `model.save` takes it (e.g. a `.keras`
+            path).
+        **kwargs: Passed to `model.save`.
+
+    Raises:
+        TypeError: If `model` is not an `AccumModel`.
+        ValueError: If `model` is a subclassed `AccumModel`: its own class
+            is the accumulating one (save its weights and load them into a
+            plain model of the same layers).
+    """
+    if not isinstance(model, AccumModel):
+        raise TypeError(
+            "`model` must be an accumulating model (`accum_model.accumulate` "
+            f"or `AccumModel`). Received: model of type {type(model).__name__}"
+        )
+    cls = type(model)
+    plain = getattr(cls, "_accum_base", None)
+    if plain is None and isinstance(model, ADAPTER.functional_class):
+        plain = ADAPTER.functional_class
+    if plain is None:
+        raise ValueError(
+            f"`model` is a subclassed `AccumModel` ({cls.__name__}), whose "
+            "own class accumulates: there is no plain class to save it as. "
+            "Build the model from a plain `keras.Model` subclass and call "
+            "`accum_model.accumulate` on it, or save its weights and load "
+            f"them into a plain model. Received: model of type {cls.__name__}"
+        )
+    state = model._accumulation
+    model.__class__ = plain
+    state.saving_plain = True
+    try:
+        model.save(filepath, **kwargs)
+    finally:
+        state.saving_plain = False
+        model.__class__ = cls

@@ -1,0 +1,169 @@
+"""`save_plain` and the configs of accumulating models, read by Keras alone."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import tensorflow as tf
+from absl.testing import parameterized
+
+import accum_model
+from accum_model import AccumModel
+from accum_model import accumulate
+from accum_model._keras import keras
+from tests import testing_utils as tu
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _sequential():
+    keras.utils.set_random_seed(0)
+    return keras.Sequential(
+        [
+            keras.Input((4,)),
+            keras.layers.Dense(5, activation="tanh"),
+            keras.layers.Dense(3),
+        ]
+    )
+
+
+_MODELS = {
+    "sequential": lambda: accumulate(_sequential(), 4, epoch_end="carry"),
+    "functional": lambda: accumulate(tu.mlp(keras.Model), 4, epoch_end="carry"),
+    "accum_model": lambda: tu.mlp(AccumModel, accum_steps=4, epoch_end="carry"),
+}
+_PLAIN_CLASS = {
+    "sequential": "Sequential",
+    "functional": "Functional",
+    "accum_model": "Functional",
+}
+
+# Loads each file with `accum_model` made unimportable, as a service that
+# only runs inference would, and prints the class and the predictions.
+_LOAD_WITHOUT_ACCUM_MODEL = """
+import json, sys
+sys.modules["accum_model"] = None
+import numpy as np
+if {legacy}:
+    import tf_keras as keras
+else:
+    import keras
+x = np.asarray(json.loads(sys.argv[1]), np.float32)
+out = {{}}
+for path in sys.argv[2:]:
+    model = keras.models.load_model(path)
+    out[path] = [type(model).__name__, model.predict(x, verbose=0).tolist()]
+print(json.dumps(out))
+"""
+
+
+class SavePlainTest(tf.test.TestCase, parameterized.TestCase):
+    def _trained_mid_window(self, kind):
+        model = _MODELS[kind]()
+        x, y = tu.regression_data(10)
+        tu.train(model, x, y, 2, 1, "adam")
+        # 5 micro-batches, N=4, carried: one update and a window of 1.
+        self.assertEqual(int(model.gradient_accumulator.micro_step), 1)
+        return model
+
+    def test_keras_alone_loads_it(self):
+        x, _ = tu.regression_data(3, seed=5)
+        paths, expected = [], {}
+        for kind in sorted(_MODELS):
+            model = self._trained_mid_window(kind)
+            path = os.path.join(self.get_temp_dir(), f"{kind}.keras")
+            accum_model.save_plain(model, path)
+            paths.append(path)
+            expected[path] = (_PLAIN_CLASS[kind], model.predict(x, verbose=0))
+        output = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                _LOAD_WITHOUT_ACCUM_MODEL.format(legacy=tu.TF_KERAS),
+                json.dumps(x.tolist()),
+                *paths,
+            ],
+            cwd=_ROOT,
+            capture_output=True,
+            text=True,
+            timeout=240,
+        )
+        self.assertEqual(output.returncode, 0, output.stderr[-3000:])
+        loaded = json.loads(output.stdout.strip().splitlines()[-1])
+        for path, (class_name, predictions) in expected.items():
+            self.assertEqual(loaded[path][0], class_name, path)
+            self.assertAllClose(loaded[path][1], predictions, atol=1e-6)
+
+    @parameterized.named_parameters((k, k) for k in sorted(_MODELS))
+    def test_model_keeps_accumulating_and_its_window(self, kind):
+        model = self._trained_mid_window(kind)
+        cls = type(model)
+        window = [
+            np.array(v) for v in model.gradient_accumulator.state_variables
+        ]
+        path = os.path.join(self.get_temp_dir(), f"{kind}.keras")
+        accum_model.save_plain(model, path)
+        self.assertIs(type(model), cls)
+        for before, v in zip(
+            window, model.gradient_accumulator.state_variables
+        ):
+            self.assertAllEqual(before, v)
+        # A plain load in this process: the plain class, the same weights,
+        # and no window (nothing accumulating to restore it into).
+        loaded = keras.models.load_model(path)
+        self.assertNotIsInstance(loaded, AccumModel)
+        tu.assert_same_trajectory(
+            self, [model.get_weights()], [loaded.get_weights()], atol=0
+        )
+        # A file with the window loads back mid-window.
+        self.assertEqual(
+            int(
+                keras.models.load_model(
+                    self._saved(model, kind)
+                ).gradient_accumulator.micro_step
+            ),
+            1,
+        )
+
+    def _saved(self, model, kind):
+        path = os.path.join(self.get_temp_dir(), f"{kind}-window.keras")
+        model.save(path)
+        return path
+
+    def test_refuses_what_has_no_plain_class(self):
+        with self.assertRaisesRegex(TypeError, "of type Sequential"):
+            accum_model.save_plain(_sequential(), "unused.keras")
+
+        class Net(AccumModel):
+            def __init__(self):
+                super().__init__(accum_steps=2)
+                self.dense = keras.layers.Dense(3)
+
+            def call(self, x):
+                return self.dense(x)
+
+        with self.assertRaisesRegex(ValueError, "subclassed `AccumModel`"):
+            accum_model.save_plain(Net(), "unused.keras")
+
+
+class PlainConfigTest(tf.test.TestCase, parameterized.TestCase):
+    """Keras' own `from_config` rebuilds an accumulating model, plainly."""
+
+    @parameterized.named_parameters(
+        ("sequential", "sequential", keras.Sequential),
+        ("functional", "functional", keras.Model),
+        ("accum_model", "accum_model", keras.Model),
+    )
+    def test_keras_from_config(self, kind, keras_class):
+        model = _MODELS[kind]()
+        rebuilt = keras_class.from_config(model.get_config())
+        self.assertNotIsInstance(rebuilt, AccumModel)
+        self.assertEqual(
+            [w.shape for w in rebuilt.weights], [w.shape for w in model.weights]
+        )
+        # The model's own class still rebuilds it accumulating.
+        again = type(model).from_config(model.get_config())
+        self.assertIsInstance(again, AccumModel)
+        self.assertEqual((again.accum_steps, again.epoch_end), (4, "carry"))
