@@ -11,6 +11,7 @@ import numpy as np
 import tensorflow as tf
 from absl.testing import parameterized
 
+import accum_model
 from accum_model import AccumModel
 from accum_model import accumulate
 from accum_model._keras import keras
@@ -193,6 +194,18 @@ class BertTest(tf.test.TestCase, parameterized.TestCase):
         expected = _fit(reference, 4, "momentum", y=_LABELS, epochs=1)
         actual = _fit(restored, 2, "momentum", y=_LABELS, epochs=1)
         tu.assert_same_trajectory(self, expected[:2], actual)
+
+    def test_save_plain_loads_without_accum_model(self):
+        # An inference service with keras-hub but not accum_model.
+        task = accumulate(_bert(), 2, epoch_end="carry")
+        _fit(task, 2, "momentum", y=_LABELS, epochs=1)
+        path = os.path.join(self.get_temp_dir(), "plain.keras")
+        accum_model.save_plain(task, path)
+        loaded = tu.load_without_accum_model([path], _TEXTS[:3])[path]
+        self.assertEqual(loaded[0], "BertTextClassifier")
+        self.assertAllClose(
+            loaded[1], task.predict(_TEXTS[:3], verbose=0), atol=1e-5
+        )
 
     def test_clone_model_warns_and_accumulates(self):
         task = accumulate(_bert(), 3)

@@ -1,9 +1,6 @@
 """`save_plain` and the configs of accumulating models, read by Keras alone."""
 
-import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 import tensorflow as tf
@@ -14,8 +11,6 @@ from accum_model import AccumModel
 from accum_model import accumulate
 from accum_model._keras import keras
 from tests import testing_utils as tu
-
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _sequential():
@@ -40,24 +35,6 @@ _PLAIN_CLASS = {
     "accum_model": "Functional",
 }
 
-# Loads each file with `accum_model` made unimportable, as a service that
-# only runs inference would, and prints the class and the predictions.
-_LOAD_WITHOUT_ACCUM_MODEL = """
-import json, sys
-sys.modules["accum_model"] = None
-import numpy as np
-if {legacy}:
-    import tf_keras as keras
-else:
-    import keras
-x = np.asarray(json.loads(sys.argv[1]), np.float32)
-out = {{}}
-for path in sys.argv[2:]:
-    model = keras.models.load_model(path)
-    out[path] = [type(model).__name__, model.predict(x, verbose=0).tolist()]
-print(json.dumps(out))
-"""
-
 
 class SavePlainTest(tf.test.TestCase, parameterized.TestCase):
     def _trained_mid_window(self, kind):
@@ -77,21 +54,7 @@ class SavePlainTest(tf.test.TestCase, parameterized.TestCase):
             accum_model.save_plain(model, path)
             paths.append(path)
             expected[path] = (_PLAIN_CLASS[kind], model.predict(x, verbose=0))
-        output = subprocess.run(
-            [
-                sys.executable,
-                "-c",
-                _LOAD_WITHOUT_ACCUM_MODEL.format(legacy=tu.TF_KERAS),
-                json.dumps(x.tolist()),
-                *paths,
-            ],
-            cwd=_ROOT,
-            capture_output=True,
-            text=True,
-            timeout=240,
-        )
-        self.assertEqual(output.returncode, 0, output.stderr[-3000:])
-        loaded = json.loads(output.stdout.strip().splitlines()[-1])
+        loaded = tu.load_without_accum_model(paths, x)
         for path, (class_name, predictions) in expected.items():
             self.assertEqual(loaded[path][0], class_name, path)
             self.assertAllClose(loaded[path][1], predictions, atol=1e-6)

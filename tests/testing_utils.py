@@ -4,6 +4,11 @@ The ground truth of every equivalence test is plain `keras.Model` training
 with the large batch, started from the same weights.
 """
 
+import json
+import os
+import subprocess
+import sys
+
 import numpy as np
 import tensorflow as tf
 
@@ -211,3 +216,48 @@ def skip_unless_available(what):
     }
     reason = reasons[what]
     return unittest.skipIf(reason is not None, reason)
+
+
+# Loads each file with `accum_model` made unimportable, as a service that
+# only runs inference would, and prints each model's class name and its
+# predictions on the JSON inputs.
+_LOAD_WITHOUT_ACCUM_MODEL = """
+import json, sys
+sys.modules["accum_model"] = None
+if {legacy}:
+    import tf_keras as keras
+else:
+    import keras
+x = json.loads(sys.argv[1])
+x = x if isinstance(x[0], str) else __import__("numpy").asarray(x, "float32")
+out = {{}}
+for path in sys.argv[2:]:
+    model = keras.models.load_model(path)
+    out[path] = [type(model).__name__, model.predict(x, verbose=0).tolist()]
+print(json.dumps(out))
+"""
+
+
+def load_without_accum_model(paths, x):
+    """`{path: (class name, predictions)}` of files loaded by Keras alone.
+
+    In a new process where `import accum_model` fails. `x`: a list of
+    strings (for a model with a preprocessor) or an array.
+    """
+    x = x if isinstance(x, list) else np.asarray(x).tolist()
+    output = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            _LOAD_WITHOUT_ACCUM_MODEL.format(legacy=LEGACY),
+            json.dumps(x),
+            *paths,
+        ],
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    if output.returncode != 0:
+        raise AssertionError(output.stderr[-3000:])
+    return json.loads(output.stdout.strip().splitlines()[-1])
