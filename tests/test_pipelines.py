@@ -17,6 +17,7 @@ import tensorflow as tf
 from absl.testing import parameterized
 
 from accum_model import AccumModel
+from accum_model import GradientAccumulator
 from accum_model._keras import keras
 from tests import testing_utils as tu
 
@@ -284,6 +285,53 @@ class PipelineTest(tf.test.TestCase, parameterized.TestCase):
         )
         model.fit(dataset, epochs=_EPOCHS, verbose=0)
         self.assertGreater(int(model.optimizer.iterations), 4 * _EPOCHS)
+
+
+class CustomLoopPipelineTest(tf.test.TestCase, parameterized.TestCase):
+    """`GradientAccumulator` in a loop that draws from the iterator itself."""
+
+    @parameterized.named_parameters(*_SIZES)
+    def test_dry_call_at_epoch_end_changes_nothing(self, n):
+        x, y = tu.classification_data(n)
+        dataset = (
+            tf.data.Dataset.from_tensor_slices((x, y))
+            .filter(lambda a, b: True)
+            .batch(_MICRO)
+        )
+        model = _model(keras.Model)
+        initial = model.get_weights()
+        optimizer = keras.optimizers.Adam(1e-2)
+        optimizer.build(model.trainable_variables)
+        accumulator = GradientAccumulator(
+            model.trainable_variables, accum_steps=_STEPS
+        )
+        loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+        @tf.function
+        def train_step(iterator):
+            # The last call of an epoch raises OutOfRangeError here.
+            xb, yb = next(iterator)
+            with tf.GradientTape() as tape:
+                loss = loss_fn(yb, model(xb, training=True))
+            grads = tape.gradient(loss, model.trainable_variables)
+            return accumulator.step(grads, optimizer, weight=tf.shape(xb)[0])
+
+        for _ in range(_EPOCHS):
+            iterator = iter(dataset)
+            while True:
+                try:
+                    train_step(iterator)
+                except tf.errors.OutOfRangeError:
+                    break
+            accumulator.apply(optimizer)
+
+        one_epoch = [_as_arrays(b) for b in dataset]
+        windows = _windows([one_epoch] * _EPOCHS, _STEPS, "apply")
+        reference = _large_batch_reference(initial, windows)
+        self.assertEqual(int(optimizer.iterations), len(windows))
+        tu.assert_same_trajectory(
+            self, [reference.get_weights()], [model.get_weights()]
+        )
 
 
 class PaddedPipelineTest(tf.test.TestCase, parameterized.TestCase):
