@@ -21,12 +21,12 @@ from accum_model._window import validate_accum_steps
 ADAPTER = _keras.ADAPTER
 keras = _keras.keras
 
-# `accumulate`'s default `noise_scale`: off for a model made to accumulate
-# now, unchanged for one that already does.
-_UNSET = type("Unset", (), {"__repr__": lambda self: "False"})()
+# `accumulate`'s defaults of `epoch_end` and `noise_scale`: "apply" and off
+# for a model made to accumulate now, unchanged for one that already does.
+_UNSET = type("Unset", (), {"__repr__": lambda self: "<default>"})()
 
 
-def accumulate(model, accum_steps, epoch_end="apply", noise_scale=_UNSET):
+def accumulate(model, accum_steps, epoch_end=_UNSET, noise_scale=_UNSET):
     """Makes an existing Keras model accumulate gradients, in place.
 
     The one line for a model you did not write: a `keras.Sequential`, a
@@ -51,8 +51,8 @@ def accumulate(model, accum_steps, epoch_end="apply", noise_scale=_UNSET):
     `summary`, `export`, and its own `train_step` (which accumulates when it
     calls `super().train_step(data)`). A train function traced before is
     dropped, so the next `fit` traces the accumulating one. Calling it
-    again on an accumulating model (an `AccumModel` included) only changes
-    `accum_steps` and `epoch_end`.
+    again on an accumulating model (an `AccumModel` included) changes
+    `accum_steps`, and `epoch_end` and `noise_scale` where given.
 
     `get_config`, `to_json`, `.keras` files and `keras.models.clone_model`
     bring the model back as its own class, accumulating, with `accum_steps`
@@ -63,9 +63,10 @@ def accumulate(model, accum_steps, epoch_end="apply", noise_scale=_UNSET):
         model: A `keras.Model` instance, built or not, compiled or not.
         accum_steps: Int >= 1. Micro-batches per optimizer update; 1 is
             plain training. Also the read/write property `accum_steps`.
-        epoch_end: `"apply"` (default) applies a partly filled window at
-            the end of every epoch; `"carry"` keeps it open into the next
-            epoch. See `AccumModel`.
+        epoch_end: `"apply"` (the default, or unchanged on a model that
+            already accumulates) applies a partly filled window at the end
+            of every epoch; `"carry"` keeps it open into the next epoch. See
+            `AccumModel`.
         noise_scale: `False` (the default: off, or unchanged on a model
             that already accumulates), `True` or an
             `accum_model.NoiseScale(every=..., beta=...)`: measure the
@@ -90,14 +91,18 @@ def accumulate(model, accum_steps, epoch_end="apply", noise_scale=_UNSET):
         )
     ADAPTER.check_backend()
     accum_steps = validate_accum_steps(accum_steps)
-    epoch_end = validate_epoch_end(epoch_end)
+    if epoch_end is not _UNSET:
+        epoch_end = validate_epoch_end(epoch_end)
     if isinstance(model, AccumModel):
         if noise_scale is not _UNSET:
             # Checked first: nothing changes when it is refused.
             model.noise_scale = noise_scale
         model.accum_steps = accum_steps
-        model.epoch_end = epoch_end
+        if epoch_end is not _UNSET:
+            model.epoch_end = epoch_end
         return model
+    if epoch_end is _UNSET:
+        epoch_end = "apply"
     noise_scale = _noise_scale.as_config(
         None if noise_scale is _UNSET else noise_scale
     )

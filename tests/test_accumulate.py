@@ -161,6 +161,10 @@ class AccumulateTest(tf.test.TestCase, parameterized.TestCase):
         self.assertIs(accumulate(model, 2, epoch_end="carry"), model)
         self.assertIs(type(model), cls)
         self.assertEqual((model.accum_steps, model.epoch_end), (2, "carry"))
+        # Left out, `epoch_end` stays: changing N alone keeps "carry".
+        accumulate(model, 3)
+        self.assertEqual((model.accum_steps, model.epoch_end), (3, "carry"))
+        accumulate(model, 2)
         own = tu.mlp(AccumModel, accum_steps=3)
         own_cls = type(own)
         accumulate(own, 5)
