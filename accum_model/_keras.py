@@ -516,8 +516,8 @@ class _Keras3Adapter:
 
     # Serialization and callbacks
 
-    def track_state(self, model, engine):
-        del model, engine  # Keras 3 saves it through `_AccumulationState`.
+    def track_state(self, model, accumulator):
+        del model, accumulator  # Keras 3 saves it through `TrainingState`.
 
     def register_serializable(self, cls):
         return keras.saving.register_keras_serializable(package="accum_model")(
@@ -687,12 +687,12 @@ class _TfKerasAdapter(_Keras3Adapter):
         if hasattr(inner, "build") and not getattr(inner, "_built", False):
             inner.build(variables)
 
-    def track_state(self, model, engine):
+    def track_state(self, model, accumulator):
         # tf_keras' BackupAndRestore and `save_weights` in TF format write
         # `tf.train.Checkpoint`s of the model. A checkpoint dependency added
         # this way is saved and restored (also when created after a restore
         # began) but, unlike an attribute, is not counted among the weights.
-        model._track_trackable(engine, name="accumulation", overwrite=True)
+        model._track_trackable(accumulator, name="accumulation", overwrite=True)
 
     def optimizer_built(self, optimizer):
         return getattr(optimizer, "_built", True)

@@ -17,13 +17,13 @@ own exponential moving average over measured windows and the ratio is taken
 of the averages (a ratio of unbiased estimates is biased, and a single
 window's `G2_hat` is often <= 0).
 
-Per micro-batch the engine hands over `q_k = w_k |g_k|^2` (one float32
+Per micro-batch the accumulator hands over `q_k = w_k |g_k|^2` (one float32
 scalar); at the close it hands over `|sum_k w_k g_k|^2 = W^2 |G_w|^2` of its
 accumulators. Under `tf.distribute` every replica measures its own window
 (its micro-batches and its accumulators, before the optimizer's all-reduce)
 and the per-replica estimates, each unbiased, are averaged by
 `combine_statistics`; the three scalars this takes ride the all-reduce the
-engine does anyway for the weight sum.
+accumulator does anyway for the weight sum.
 
 This module knows TensorFlow only.
 """
@@ -258,7 +258,7 @@ class NoiseScaleEstimator(tf.Module):
             self._last_grad_sq,
         ]
 
-    # What the engine calls (in replica context).
+    # What the accumulator calls (in replica context).
 
     def measuring(self):
         """Bool scalar tensor: whether the open window is measured."""
@@ -271,7 +271,7 @@ class NoiseScaleEstimator(tf.Module):
             contributions: Its float32 `w_k g_k`, as the window adds them
                 (tensors, `IndexedSlices`, `None`).
             weight: Float32 scalar `w_k`.
-            run_if: `run_if(pred, fn)`, the engine's conditional.
+            run_if: `run_if(pred, fn)`, the accumulator's conditional.
         """
 
         def fn():

@@ -190,8 +190,8 @@ class AccumStepsWarmup(_keras.ADAPTER.callback_base):
         config = getattr(self.model, "noise_scale", None)
         if config is None:
             return None
-        engine = self.model.gradient_accumulator
-        return None if engine is None else engine.noise_scale
+        accumulator = self.model.gradient_accumulator
+        return None if accumulator is None else accumulator.noise_scale
 
     def _iterations(self):
         return int(self.model.optimizer.iterations.numpy())
