@@ -9,21 +9,20 @@ such a model back accumulating.
 
 import warnings
 
+from accum_model import _construction
 from accum_model import _keras
 from accum_model import _noise_scale
-from accum_model._model import _KERAS_CONFIG_CLASSES
 from accum_model._model import AccumModel
-from accum_model._model import _accumulation_config
-from accum_model._model import _init_accumulation
-from accum_model._model import validate_epoch_end
-from accum_model._window import validate_accum_steps
+from accum_model._model import init_accumulation
+from accum_model._validation import check_accum_steps
+from accum_model._validation import check_epoch_end
 
 ADAPTER = _keras.ADAPTER
 keras = _keras.keras
 
 # `accumulate`'s defaults of `epoch_end` and `noise_scale`: "apply" and off
 # for a model made to accumulate now, unchanged for one that already does.
-_UNSET = type("Unset", (), {"__repr__": lambda self: "<default>"})()
+_UNSET = _construction.UNSET
 
 
 def accumulate(model, accum_steps, epoch_end=_UNSET, noise_scale=_UNSET):
@@ -90,9 +89,9 @@ def accumulate(model, accum_steps, epoch_end=_UNSET, noise_scale=_UNSET):
             f"model={model!r} of type {type(model).__name__}"
         )
     ADAPTER.check_backend()
-    accum_steps = validate_accum_steps(accum_steps)
+    accum_steps = check_accum_steps(accum_steps)
     if epoch_end is not _UNSET:
-        epoch_end = validate_epoch_end(epoch_end)
+        epoch_end = check_epoch_end(epoch_end)
     if isinstance(model, AccumModel):
         if noise_scale is not _UNSET:
             # Checked first: nothing changes when it is refused.
@@ -107,7 +106,7 @@ def accumulate(model, accum_steps, epoch_end=_UNSET, noise_scale=_UNSET):
         None if noise_scale is _UNSET else noise_scale
     )
     model.__class__ = _accumulating_class(type(model))
-    _init_accumulation(model, accum_steps, epoch_end, noise_scale)
+    init_accumulation(model, accum_steps, epoch_end, noise_scale)
     # Traced with the class's own `train_step`; `fit` makes a new one.
     model.train_function = None
     return model
@@ -132,7 +131,7 @@ def _accumulating_class(base):
             "__module__": base.__module__,
             "__qualname__": base.__qualname__,
             "__doc__": base.__doc__,
-            "_accum_base": base,
+            **_construction.marking_base(base),
             "get_config": _accumulating_get_config,
             "from_config": classmethod(_accumulating_from_config),
             **ADAPTER.accumulating_class_methods(),
@@ -164,23 +163,22 @@ def _refuse_init(self, model=None):
 # `keras.Sequential.from_config` and `keras.Model.from_config` (which ignore
 # keys they do not know) rebuild it as a plain model.
 _BASE_KEY = "accumulating_base"
-_SETTINGS = ("accum_steps", "epoch_end", "noise_scale")
 
 
 def _accumulating_get_config(self):
-    base = type(self)._accum_base
+    base = _construction.base_of(type(self))
     definer = next(c for c in base.__mro__ if "get_config" in c.__dict__)
     if isinstance(self, ADAPTER.functional_class) and (
-        definer in _KERAS_CONFIG_CLASSES
+        definer in _construction.KERAS_CONFIG_CLASSES
     ):
         # Keras' own writes the graph only for classes it may construct.
         config = ADAPTER.functional_config(self)
     else:
         config = dict(base.get_config(self))
-    for key in _SETTINGS:
+    for key in _construction.ARGUMENTS:
         # Reached through `super()` from the base's own `get_config`.
         config.pop(key, None)
-    config.update(_accumulation_config(self))
+    config.update(_construction.accumulation_config(self))
     config[_BASE_KEY] = {
         "module": base.__module__,
         "class_name": base.__name__,
@@ -194,7 +192,7 @@ def _accumulating_from_config(cls, config, custom_objects=None):
         # The base's own config: a deserializer that found this class by
         # the base's name (`clone_model`'s `custom_objects`) while loading
         # the base of a saved one, which `_Accumulating` then converts.
-        return cls._accum_base.from_config(config)
+        return _construction.base_of(cls).from_config(config)
     return _Accumulating.from_config(config, custom_objects=custom_objects)
 
 
@@ -206,7 +204,9 @@ class _Accumulating:
         del cls
         config = dict(config)
         base_config = dict(config.pop(_BASE_KEY))
-        settings = {key: config.pop(key, None) for key in _SETTINGS}
+        settings = {
+            key: config.pop(key, None) for key in _construction.ARGUMENTS
+        }
         base_config["config"] = config
         if custom_objects:
             with keras.saving.custom_object_scope(custom_objects):
@@ -226,7 +226,7 @@ def _clone_hook(model, clone):
     """Makes a `keras.models.clone_model` clone accumulate like `model`."""
     if not isinstance(model, AccumModel) or clone is model:
         return clone
-    base = getattr(type(model), "_accum_base", type(model))
+    base = _construction.base_of(type(model))
     if isinstance(clone, AccumModel):
         clone.accum_steps = model.accum_steps
         clone.epoch_end = model.epoch_end

@@ -121,19 +121,20 @@ class AccumBatchNormalization(keras.layers.BatchNormalization):
         self._accum_managed = False
         self._accum_window = None
 
-    def attach_to_accumulator(self, engine):
-        """Hands the moving-statistics update to `engine`'s window.
+    def attach_to_accumulator(self, accumulator):
+        """Hands the moving-statistics update to `accumulator`'s window.
 
         Called by `AccumModel` when it builds its `GradientAccumulator`. From
-        then on, training-mode calls add their moments to the window, and the
-        engine's apply branch (also taken by the epoch-end flush) updates the
-        moving statistics once and empties the window.
+        then on, training-mode calls add their moments to the window, the
+        accumulator's apply branch (also taken by the epoch-end flush)
+        updates the moving statistics once, and the accumulator empties the
+        layer's window with its own.
 
         A layer that is not built (not called by the model's forward pass)
         stays unattached and behaves as `BatchNormalization`.
 
         Args:
-            engine: The `GradientAccumulator` of the model.
+            accumulator: The `GradientAccumulator` of the model.
         """
         if not self.built:
             return
@@ -145,12 +146,12 @@ class AccumBatchNormalization(keras.layers.BatchNormalization):
                     self.name,
                 )
         else:
-            # A new engine (the trainable variables changed) opens a new
-            # window; the old one is discarded as the gradients are.
+            # A new accumulator (the trainable variables changed) opens a
+            # new window; the old one is discarded as the gradients are.
             with tf.init_scope():
                 self._accum_window.reset()
         self._accum_managed = True
-        engine._add_apply_hook(
+        accumulator.add_apply_hook(
             self._update_moving_from_window,
             state=self._accum_window.variables,
         )
@@ -210,10 +211,11 @@ class AccumBatchNormalization(keras.layers.BatchNormalization):
         return tf.reshape(count, (channels,))
 
     def _update_moving_from_window(self):
-        """Moves the statistics once by the window's moments, then empties it.
+        """Moves the statistics once by the window's moments.
 
-        Runs inside the engine's apply branch. Channels that saw no value in
-        the window (all masked) keep their statistics.
+        Runs inside the accumulator's apply branch, which then empties the
+        window. Channels that saw no value in the window (all masked) keep
+        their statistics.
         """
         window = self._accum_window
         if self.trainable:
@@ -251,7 +253,6 @@ class AccumBatchNormalization(keras.layers.BatchNormalization):
                 self.moving_variance.assign(
                     tf.where(seen, new_variance, moving_variance)
                 )
-        window.reset()
 
 
 AccumBatchNormalization = ADAPTER.register_serializable(AccumBatchNormalization)

@@ -59,22 +59,30 @@ def first_replica(strategy, value):
 
 
 def in_xla_context():
-    """Whether the graph being traced is compiled by XLA (`jit_compile`)."""
-    try:
-        from tensorflow.python.ops import control_flow_util
-    except ImportError:  # A TensorFlow without it: use `tf.cond`.
-        return False
+    """Whether the graph being traced is compiled by XLA (`jit_compile`).
+
+    For callers that were not told (a custom loop's `tf.function`);
+    `AccumModel` passes its `jit_compile` instead.
+    """
+    # Private (TensorFlow): the only way to ask a graph being traced.
+    from tensorflow.python.ops import control_flow_util
+
     return control_flow_util.GraphOrParentsInXlaContext(
         tf.compat.v1.get_default_graph()
     )
 
 
-def run_if(pred, fn):
+def run_if(pred, fn, xla):
     """Runs `fn()` (no outputs) when the bool scalar `pred` holds.
 
     Only the taken branch runs, also under XLA.
+
+    Args:
+        pred: Bool scalar tensor.
+        fn: Callable without arguments or outputs.
+        xla: Bool. Whether the graph is compiled by XLA.
     """
-    if in_xla_context():
+    if xla:
 
         def body(i):
             fn()
@@ -92,8 +100,8 @@ def run_if(pred, fn):
     tf.cond(pred, branch, lambda: tf.constant(False))
 
 
-def close_if(pred, apply_if, apply_fn, then, check=None, on_failed_check=None):
-    """When `pred`: `apply_fn()` if `apply_if()` (and `check()`), then `then()`.
+def close_if(pred, apply_if, apply_fn, then, check, on_failed_check, xla):
+    """When `pred`: `apply_fn()` if `apply_if()` and `check()`, then `then()`.
 
     Safe when `apply_fn` all-reduces: under a strategy both conditions are
     taken in cross-replica context, so they are equal on every replica, and
@@ -105,31 +113,29 @@ def close_if(pred, apply_if, apply_fn, then, check=None, on_failed_check=None):
         apply_if: Callable returning a bool scalar tensor.
         apply_fn: Callable without arguments or outputs.
         then: Callable without arguments or outputs.
-        check: Optional callable run in each replica when `apply_if()`
-            holds, returning a bool scalar tensor that is equal on every
-            replica (all-reduced); `apply_fn` runs only when it holds.
-        on_failed_check: Optional callable run in each replica instead of
-            `apply_fn` when `check()` does not hold.
+        check: Callable run in each replica when `apply_if()` holds,
+            returning a bool scalar tensor that is equal on every replica
+            (all-reduced); `apply_fn` runs only when it holds.
+        on_failed_check: Callable run in each replica instead of `apply_fn`
+            when `check()` does not hold.
+        xla: Bool. Whether the graph is compiled by XLA.
     """
 
     def close(in_replicas, first):
         def apply_checked():
             passed = first(in_replicas(check))
-            run_if(passed, lambda: in_replicas(apply_fn))
-            if on_failed_check is not None:
-                run_if(
-                    tf.logical_not(passed),
-                    lambda: in_replicas(on_failed_check),
-                )
+            run_if(passed, lambda: in_replicas(apply_fn), xla)
+            run_if(
+                tf.logical_not(passed),
+                lambda: in_replicas(on_failed_check),
+                xla,
+            )
 
-        run_if(
-            apply_if(),
-            apply_checked if check else lambda: in_replicas(apply_fn),
-        )
+        run_if(apply_if(), apply_checked, xla)
         in_replicas(then)
 
     if not in_replica_context_of_strategy():
-        run_if(pred, lambda: close(lambda fn: fn(), lambda v: v))
+        run_if(pred, lambda: close(lambda fn: fn(), lambda v: v), xla)
         return
 
     def merge_fn(strategy, pred):
@@ -139,6 +145,7 @@ def close_if(pred, apply_if, apply_fn, then, check=None, on_failed_check=None):
                 strategy.extended.call_for_each_replica,
                 lambda v: first_replica(strategy, v),
             ),
+            xla,
         )
 
     tf.distribute.get_replica_context().merge_call(merge_fn, args=(pred,))

@@ -5,19 +5,10 @@
 `AccumModel` call the one `ADAPTER` chosen here, never `if` on the version.
 
 Private Keras names are used here, each for a reason given where it is used.
-Elsewhere the package uses only these, which a Keras generation that lacks
-them fails on at once (not silently):
-
-- `_maybe_symbolic_build` (Keras 3's `fit`), overridden by
-  `MultiWorkerFitWorkarounds` in `_model.py` to build without a collective;
-- BatchNormalization's internals `_moments`, `_reduction_axes`,
-  `_renorm_correction_and_moments`, `_compose_transforms`,
-  `_update_renorm_statistics` (Keras 3), used by `AccumBatchNormalization`
-  in `_batchnorm.py`, which replaces only the moving-statistics update of
-  `BatchNormalization.call`;
-- `_omit_frequent_tracing_warning`, an attribute of TensorFlow's
-  `tf.function`, set in `_model.py` on the epoch-end apply, which each model
-  traces once (the warning would count the models of one process).
+Elsewhere the package uses only those of `PRIVATE_NAMES_ELSEWHERE`, which a
+release that lacks them fails on at once (not silently);
+`tests/test_keras.py` fails on a private name or import outside this module
+that the list lacks.
 
 Two private Keras functions are wrapped here, at import, for every model:
 `clone_model`'s `_clone_sequential_model` and `_clone_functional_model`
@@ -32,6 +23,42 @@ import os
 import re
 
 import tensorflow as tf
+
+# Private TensorFlow and Keras names (imports and attributes) used outside
+# this module: `{module: {name: why}}`.
+PRIVATE_NAMES_ELSEWHERE = {
+    "_multi_worker.py": {
+        "_maybe_symbolic_build": "Keras 3's `fit` builds the model through "
+        "it; overridden to build without a collective under "
+        "MultiWorkerMirroredStrategy",
+    },
+    "_batchnorm.py": {
+        name: "BatchNormalization's internals (Keras 3), used by "
+        "`AccumBatchNormalization`, which replaces only the moving-"
+        "statistics update of `BatchNormalization.call`"
+        for name in (
+            "_moments",
+            "_reduction_axes",
+            "_renorm_correction_and_moments",
+            "_compose_transforms",
+            "_update_renorm_statistics",
+        )
+    },
+    "_epoch_end.py": {
+        "_omit_frequent_tracing_warning": "an attribute of TensorFlow's "
+        "`tf.function`, set on the epoch-end apply, which each model traces "
+        "once (the warning would count the models of one process)",
+    },
+    "_training_state.py": {
+        "_obj_type": "what Keras 3's saving records for a `KerasSaveable`; "
+        "the state says what kind of object it is",
+    },
+    "_control_flow.py": {
+        "tensorflow.python.ops": "`control_flow_util`, the one way to ask "
+        "whether a graph being traced is compiled by XLA, for custom loops "
+        "that do not say (`jit_compile=None`)",
+    },
+}
 
 # The oldest releases the package is tested with (CI's floor leg); also the
 # bounds in setup.cfg. Older ones lack Keras internals used here.
@@ -122,8 +149,6 @@ class _Keras3Adapter:
     does differently.
     """
 
-    generation = 3
-
     def __init__(self):
         from keras.src.models import functional
         from keras.src.models import model as model_lib
@@ -209,7 +234,7 @@ class _Keras3Adapter:
         self._inject_functional(cls)
 
     def registered_name(self, cls):
-        return self._registry_module().get_registered_name(cls)
+        return keras.saving.get_registered_name(cls)
 
     def register_name(self, cls, name):
         """Makes Keras write `name` as the registered name of `cls`."""
@@ -219,9 +244,6 @@ class _Keras3Adapter:
         """Makes Keras find `obj` when it loads the registered `name`."""
         self._registered_objects[name] = obj
         self._registered_names[obj] = name
-
-    def _registry_module(self):
-        return keras.saving
 
     def accumulating_class_methods(self):
         """Methods the classes of `accumulate` need in this generation."""
@@ -448,7 +470,7 @@ class _Keras3Adapter:
         compile_loss = getattr(model, "_compile_loss", None)
         if compile_loss is None or not compile_loss.built:
             return None
-        from keras.src import tree
+        tree = keras.tree
 
         # As `CompileLoss.call` does: predictions in the structure the loss
         # was built with (the leaves, and their masks, stay the same).
@@ -494,8 +516,8 @@ class _Keras3Adapter:
 
     # Serialization and callbacks
 
-    def track_state(self, model, engine):
-        del model, engine  # Keras 3 saves it through `_AccumulationState`.
+    def track_state(self, model, accumulator):
+        del model, accumulator  # Keras 3 saves it through `TrainingState`.
 
     def register_serializable(self, cls):
         return keras.saving.register_keras_serializable(package="accum_model")(
@@ -551,8 +573,6 @@ class _ResumeCounters:
 
 class _TfKerasAdapter(_Keras3Adapter):
     """Keras 2 (`tf_keras`), what `tf.keras` is under TF_USE_LEGACY_KERAS=1."""
-
-    generation = 2
 
     def __init__(self):
         from tf_keras.src.engine import functional
@@ -667,12 +687,12 @@ class _TfKerasAdapter(_Keras3Adapter):
         if hasattr(inner, "build") and not getattr(inner, "_built", False):
             inner.build(variables)
 
-    def track_state(self, model, engine):
+    def track_state(self, model, accumulator):
         # tf_keras' BackupAndRestore and `save_weights` in TF format write
         # `tf.train.Checkpoint`s of the model. A checkpoint dependency added
         # this way is saved and restored (also when created after a restore
         # began) but, unlike an attribute, is not counted among the weights.
-        model._track_trackable(engine, name="accumulation", overwrite=True)
+        model._track_trackable(accumulator, name="accumulation", overwrite=True)
 
     def optimizer_built(self, optimizer):
         return getattr(optimizer, "_built", True)

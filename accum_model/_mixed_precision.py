@@ -3,12 +3,13 @@
 Under `mixed_float16` Keras wraps the optimizer in a `LossScaleOptimizer`:
 the loss is multiplied by a dynamic scale before the backward pass, so small
 float16 gradients do not underflow, and the gradients are divided by it
-again. `AccumModel` does the same per micro-batch, with the rules here:
+again. The engine does the same per micro-batch
+(`GradientAccumulator.accumulate`), with the rules here:
 
 - Each micro-batch's gradients are unscaled in float32 with the scale *that
   micro-batch* was computed with (and multiplied by its normalizer weight in
-  the same multiply), so a scale that changes mid-window is harmless: the
-  window only ever holds unscaled gradients.
+  the same multiply, the engine's one), so a scale that changes mid-window
+  is harmless: the window only ever holds unscaled gradients.
 - A micro-batch whose gradients are not all finite, on any replica, is left
   out of the window (its samples do not count toward the normalizer) but
   still takes its place in it, so windows close on schedule.
@@ -25,37 +26,6 @@ generation keeps its loss-scale variables (`dynamic_loss_scale`).
 import tensorflow as tf
 
 from accum_model import _control_flow
-
-
-def unscale_gradients(grads, factor):
-    """Returns `grads` in float32, each multiplied by `factor`.
-
-    Args:
-        grads: List of gradients (tensors, `tf.IndexedSlices` or `None`) of
-            the *scaled* loss, in any float dtype.
-        factor: Float32 scalar: `weight / loss_scale` for `AccumModel`, where
-            `loss_scale` is the scale this micro-batch's loss was multiplied by.
-
-    Returns:
-        The list of float32 gradients (`None` stays `None`).
-    """
-    factor = tf.cast(factor, tf.float32)
-    out = []
-    for g in grads:
-        if g is None:
-            out.append(None)
-        elif isinstance(g, tf.IndexedSlices):
-            # Sparse (embedding) gradients stay sparse: scale the rows only.
-            out.append(
-                tf.IndexedSlices(
-                    tf.cast(g.values, tf.float32) * factor,
-                    g.indices,
-                    g.dense_shape,
-                )
-            )
-        else:
-            out.append(tf.cast(g, tf.float32) * factor)
-    return out
 
 
 def all_replicas_finite(grads):
@@ -169,23 +139,3 @@ def update_loss_scale(dynamic_loss_scale, is_finite):
         counter_variable.assign(counter)
 
     assign_everywhere(assign, is_finite)
-
-
-def unscale_and_check(grads, factor, dynamic_loss_scale):
-    """One micro-batch under loss scaling: unscale, check, move the scale.
-
-    Args:
-        grads: List of gradients of the scaled loss (see `unscale_gradients`).
-        factor: Float32 scalar the gradients are multiplied by: the
-            micro-batch's normalizer weight over the scale its loss carried.
-        dynamic_loss_scale: What `ADAPTER.dynamic_loss_scale` returns.
-
-    Returns:
-        `(grads, is_finite)`: the float32 unscaled (and weighted) gradients,
-        and a bool scalar tensor, the same on every replica, to pass to the
-        accumulator as its `is_finite`.
-    """
-    grads = unscale_gradients(grads, factor)
-    is_finite = all_replicas_finite(grads)
-    update_loss_scale(dynamic_loss_scale, is_finite)
-    return grads, is_finite

@@ -17,13 +17,13 @@ own exponential moving average over measured windows and the ratio is taken
 of the averages (a ratio of unbiased estimates is biased, and a single
 window's `G2_hat` is often <= 0).
 
-Per micro-batch the engine hands over `q_k = w_k |g_k|^2` (one float32
+Per micro-batch the accumulator hands over `q_k = w_k |g_k|^2` (one float32
 scalar); at the close it hands over `|sum_k w_k g_k|^2 = W^2 |G_w|^2` of its
 accumulators. Under `tf.distribute` every replica measures its own window
 (its micro-batches and its accumulators, before the optimizer's all-reduce)
 and the per-replica estimates, each unbiased, are averaged by
 `combine_statistics`; the three scalars this takes ride the all-reduce the
-engine does anyway for the weight sum.
+accumulator does anyway for the weight sum.
 
 This module knows TensorFlow only.
 """
@@ -31,6 +31,8 @@ This module knows TensorFlow only.
 import numbers
 
 import tensorflow as tf
+
+from accum_model._validation import check_integer
 
 _ON_READ = tf.VariableSynchronization.ON_READ
 _SUM = tf.VariableAggregation.SUM
@@ -58,13 +60,7 @@ class NoiseScale:
     """
 
     def __init__(self, every=1, beta=0.99):
-        is_int = isinstance(every, numbers.Integral) and not isinstance(
-            every, bool
-        )
-        if not is_int or every < 1:
-            raise ValueError(
-                f"`every` must be an integer >= 1. Received: every={every!r}"
-            )
+        every = check_integer("every", every, 1)
         if (
             isinstance(beta, bool)
             or not isinstance(beta, numbers.Real)
@@ -73,7 +69,7 @@ class NoiseScale:
             raise ValueError(
                 f"`beta` must be a float in [0, 1). Received: beta={beta!r}"
             )
-        self.every = int(every)
+        self.every = every
         self.beta = float(beta)
 
     def get_config(self):
@@ -204,8 +200,10 @@ class NoiseScaleEstimator(tf.Module):
 
     Made by `GradientAccumulator(noise_scale=...)`, which calls `add` in the
     branch that adds a micro-batch, `statistics` and `update` when it
-    applies a window, and `reset_window` when a window ends. Read the
-    estimates through the properties.
+    applies a window, and `count_closed_window` when a window closes; it
+    zeroes `window_variables` when a window ends and saves
+    `state_variables` with its own. Read the estimates through the
+    properties.
 
     Args:
         config: A `NoiseScale`.
@@ -242,11 +240,14 @@ class NoiseScaleEstimator(tf.Module):
         )
 
     @property
+    def window_variables(self):
+        """The variables of the open window's sums (zero when it is empty)."""
+        return [self._q, self._n]
+
+    @property
     def state_variables(self):
-        """Every variable of the state, in a fixed order."""
-        return [
-            self._q,
-            self._n,
+        """Every variable of the state, in a fixed order: the window's first."""
+        return self.window_variables + [
             self._windows,
             self._measurements,
             self._ema_trace,
@@ -257,40 +258,33 @@ class NoiseScaleEstimator(tf.Module):
             self._last_grad_sq,
         ]
 
-    # What the engine calls (in replica context).
+    # What the accumulator calls (in replica context).
 
     def measuring(self):
         """Bool scalar tensor: whether the open window is measured."""
         return tf.equal(self._windows % self.config.every, 0)
 
-    def _when_measuring(self, fn, run_if):
+    def add(self, contributions, weight, run_if):
+        """Adds one micro-batch that joins the window.
+
+        Args:
+            contributions: Its float32 `w_k g_k`, as the window adds them
+                (tensors, `IndexedSlices`, `None`).
+            weight: Float32 scalar `w_k`.
+            run_if: `run_if(pred, fn)`, the accumulator's conditional.
+        """
+
+        def fn():
+            # w_k |g_k|^2 = |w_k g_k|^2 / w_k. A micro-batch of weight 0 (an
+            # empty shard) holds no sample.
+            norm = squared_norm(contributions)
+            self._q.assign_add(tf.math.divide_no_nan(norm, weight))
+            self._n.assign_add(tf.cast(weight > 0.0, tf.float32))
+
         if self.config.every == 1:
             fn()
         else:
             run_if(self.measuring(), fn)
-
-    def add(self, grads, weight, weighted, run_if):
-        """Adds one micro-batch that joins the window.
-
-        Args:
-            grads: Its float32 gradients (tensors, `IndexedSlices`, `None`).
-            weight: Float32 scalar `w_k`.
-            weighted: Whether `grads` are already `w_k g_k`.
-            run_if: `run_if(pred, fn)`, the engine's conditional.
-        """
-
-        def fn():
-            norm = squared_norm(grads)
-            # w_k |g_k|^2, from |w_k g_k|^2 / w_k when pre-weighted. A
-            # micro-batch of weight 0 (an empty shard) holds no sample.
-            if weighted:
-                q = tf.math.divide_no_nan(norm, weight)
-            else:
-                q = norm * weight
-            self._q.assign_add(q)
-            self._n.assign_add(tf.cast(weight > 0.0, tf.float32))
-
-        self._when_measuring(fn, run_if)
 
     def statistics(self, accumulators, weight):
         """This replica's estimate of its window, to be summed over replicas.
@@ -348,12 +342,9 @@ class NoiseScaleEstimator(tf.Module):
 
         tf.cond(valid, fold, lambda: tf.constant(False))
 
-    def reset_window(self, closed):
-        """Empties the window; counts it when `closed` (not discarded)."""
-        self._q.assign(0.0)
-        self._n.assign(0.0)
-        if closed:
-            self._windows.assign_add(1)
+    def count_closed_window(self):
+        """Counts a window that closed (a discarded one is not counted)."""
+        self._windows.assign_add(1)
 
     # What users read.
 

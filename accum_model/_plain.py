@@ -7,8 +7,10 @@ class it had before `accumulate`, or Keras' Functional model for a
 functional `AccumModel`.
 """
 
+from accum_model import _construction
 from accum_model import _keras
 from accum_model._model import AccumModel
+from accum_model._model import training_state
 
 ADAPTER = _keras.ADAPTER
 
@@ -49,9 +51,12 @@ def save_plain(model, filepath, **kwargs):
             f"or `AccumModel`). Received: model of type {type(model).__name__}"
         )
     cls = type(model)
-    plain = getattr(cls, "_accum_base", None)
-    if plain is None and isinstance(model, ADAPTER.functional_class):
-        plain = ADAPTER.functional_class
+    plain = _construction.base_of(cls)
+    if plain is cls:
+        # Not made by `accumulate`: a functional `AccumModel` saves as the
+        # Functional model of its graph; a subclassed one has no plain class.
+        functional = isinstance(model, ADAPTER.functional_class)
+        plain = ADAPTER.functional_class if functional else None
     if plain is None:
         raise ValueError(
             f"`model` is a subclassed `AccumModel` ({cls.__name__}), whose "
@@ -60,11 +65,9 @@ def save_plain(model, filepath, **kwargs):
             "`accum_model.accumulate` on it, or save its weights and load "
             f"them into a plain model. Received: model of type {cls.__name__}"
         )
-    state = model._accumulation
-    model.__class__ = plain
-    state.saving_plain = True
-    try:
-        model.save(filepath, **kwargs)
-    finally:
-        state.saving_plain = False
-        model.__class__ = cls
+    with training_state(model).without_window():
+        model.__class__ = plain
+        try:
+            model.save(filepath, **kwargs)
+        finally:
+            model.__class__ = cls

@@ -11,12 +11,12 @@ the epoch (`shuffle=False`, or a seeded `tf.data` pipeline).
 """
 
 import json
-import numbers
 import os
 
 import numpy as np
 
 from accum_model import _keras
+from accum_model._validation import check_integer
 
 ADAPTER = _keras.ADAPTER
 
@@ -26,16 +26,13 @@ _METADATA = "resume.json"
 def _validate_save_freq(save_freq):
     if save_freq == "epoch":
         return save_freq
-    if (
-        isinstance(save_freq, numbers.Integral)
-        and not isinstance(save_freq, (bool, np.bool_))
-        and save_freq >= 1
-    ):
-        return int(save_freq)
-    raise ValueError(
-        "`save_freq` must be 'epoch' or an integer >= 1 (batches). "
-        f"Received: save_freq={save_freq!r}"
-    )
+    try:
+        return check_integer("save_freq", save_freq, 1)
+    except ValueError:
+        raise ValueError(
+            "`save_freq` must be 'epoch' or an integer >= 1 (batches). "
+            f"Received: save_freq={save_freq!r}"
+        ) from None
 
 
 class ResumableBackup(ADAPTER.callback_base):

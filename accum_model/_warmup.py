@@ -4,17 +4,8 @@ import math
 import numbers
 
 from accum_model import _keras
-from accum_model._window import validate_accum_steps
-
-
-def _check_int(name, value, minimum):
-    is_int = isinstance(value, numbers.Integral) and not isinstance(value, bool)
-    if not is_int or value < minimum:
-        raise ValueError(
-            f"`{name}` must be an integer >= {minimum}. "
-            f"Received: {name}={value!r}"
-        )
-    return int(value)
+from accum_model._validation import check_accum_steps
+from accum_model._validation import check_integer
 
 
 def accum_steps_for_noise_scale(
@@ -129,9 +120,9 @@ class AccumStepsWarmup(_keras.ADAPTER.callback_base):
             raise ValueError(
                 f"`factor` must be a number > 0. Received: factor={factor!r}"
             )
-        min_accum_steps = validate_accum_steps(min_accum_steps)
+        min_accum_steps = check_accum_steps(min_accum_steps)
         if max_accum_steps is not None:
-            max_accum_steps = _check_int(
+            max_accum_steps = check_integer(
                 "max_accum_steps", max_accum_steps, min_accum_steps
             )
         if double_at is not None:
@@ -141,7 +132,7 @@ class AccumStepsWarmup(_keras.ADAPTER.callback_base):
                     "`batch_size` (the `batch_size` given to `fit`) is "
                     "required with `double_at`. Received: batch_size=None"
                 )
-            batch_size = _check_int("batch_size", batch_size, 1)
+            batch_size = check_integer("batch_size", batch_size, 1)
         elif max_accum_steps is None:
             raise ValueError(
                 "`max_accum_steps` is required by the noise-scale rule (the "
@@ -162,8 +153,8 @@ class AccumStepsWarmup(_keras.ADAPTER.callback_base):
         self.max_accum_steps = max_accum_steps
         self.double_at = double_at
         self.batch_size = batch_size
-        self.warmup_windows = _check_int("warmup_windows", warmup_windows, 0)
-        self.cooldown_windows = _check_int(
+        self.warmup_windows = check_integer("warmup_windows", warmup_windows, 0)
+        self.cooldown_windows = check_integer(
             "cooldown_windows", cooldown_windows, 1
         )
         self.hysteresis = float(hysteresis)
@@ -199,8 +190,8 @@ class AccumStepsWarmup(_keras.ADAPTER.callback_base):
         config = getattr(self.model, "noise_scale", None)
         if config is None:
             return None
-        engine = self.model.gradient_accumulator
-        return None if engine is None else engine.noise_scale
+        accumulator = self.model.gradient_accumulator
+        return None if accumulator is None else accumulator.noise_scale
 
     def _iterations(self):
         return int(self.model.optimizer.iterations.numpy())

@@ -36,11 +36,6 @@ from order statistics: with 12 repeats the 3rd smallest and 3rd largest
 ratio, 96%). A ratio whose interval holds 1 is not distinguishable from 1
 here; the JSON also has min, max and every repeat's ratio.
 
-With `--finite_check_cost` it adds `accum_unchecked`, an `AccumModel` whose
-window close skips the check that the window is finite (a private switch, for
-this measurement only): accum / accum_unchecked is what discarding non-finite
-windows costs.
-
 With `--noise_scale_every=1,8` it adds a contender per value k,
 `accum_gns_k<k>`: `AccumModel(accum_steps=N, noise_scale=NoiseScale(every=k))`,
 the gradient noise scale measured every k-th window, and the ratio
@@ -134,12 +129,6 @@ _QUICK = flags.DEFINE_bool(
     "nothing worth reading.",
 )
 _JSON = flags.DEFINE_string("json", None, "Also write the results here.")
-_FINITE_CHECK_COST = flags.DEFINE_bool(
-    "finite_check_cost",
-    False,
-    "Also time accum_unchecked: AccumModel without the once-per-window "
-    "check that the accumulated gradients are finite.",
-)
 _NOISE_SCALE_EVERY = flags.DEFINE_list(
     "noise_scale_every",
     [],
@@ -374,28 +363,7 @@ def _contender_names(only=(), noise_scale_every=()):
     names = [c for c in CONTENDERS if not (c == "builtin" and TF_KERAS)]
     if only:
         names = [c for c in names if c in only or c == "accum"]
-    if _FINITE_CHECK_COST.value:
-        names.append("accum_unchecked")
     return names + [f"accum_gns_k{int(k)}" for k in noise_scale_every]
-
-
-def _references():
-    references = dict(REFERENCES)
-    if _FINITE_CHECK_COST.value:
-        references["accum_unchecked"] = "accum / unchecked"
-    return references
-
-
-def _unchecked(base):
-    class Unchecked(base):
-        def make_train_function(self, force=False):
-            train_function = super().make_train_function(force=force)
-            # Private: the window's finite check, switched off before the
-            # first trace.
-            self.gradient_accumulator._check_finite = False
-            return train_function
-
-    return Unchecked
 
 
 def _build_contenders(
@@ -408,8 +376,6 @@ def _build_contenders(
         inputs, outputs, x, y = builder(quick, samples)
         if name in ("accum", "accum_again"):
             cls, kwargs = _counting(AccumModel), {"accum_steps": n}
-        elif name == "accum_unchecked":
-            cls, kwargs = _unchecked(AccumModel), {"accum_steps": n}
         elif name.startswith("accum_gns_k"):
             every = int(name[len("accum_gns_k") :])
             cls, kwargs = (
@@ -601,7 +567,7 @@ def run_one(
             "per_repeat": per_repeat,
         }
 
-    for reference in _references():
+    for reference in REFERENCES:
         if reference in rates:
             result["ratios"][f"accum/{reference}"] = ratio("accum", reference)
     for c in contenders:
@@ -656,7 +622,7 @@ def format_table(results):
     """The results as a Markdown table (ratios: median [interval])."""
     header = (
         "| workload | optimizer | params | samples/s plain_B | "
-        + "".join(f"{title} | " for title in _references().values())
+        + "".join(f"{title} | " for title in REFERENCES.values())
         + "accumulator / params bytes | traces accum / plain_B |"
     )
     lines = [header, "|" + "---|" * (header.count("|") - 1)]
@@ -669,7 +635,7 @@ def format_table(results):
             f"{r['median_samples_per_second']['plain_B']:.0f} | "
             + "".join(
                 f"{_fmt_ratio(ratios.get(f'accum/{ref}'))} | "
-                for ref in _references()
+                for ref in REFERENCES
             )
             + f"{mem['accumulator_over_parameters']:.4f}x | "
             f"{r['traces']['accum']} / {r['traces']['plain_B']} |"

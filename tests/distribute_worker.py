@@ -61,7 +61,7 @@ def _as_lists(weights):
 
 def _plain_model_class():
     from accum_model._keras import keras
-    from accum_model._model import MultiWorkerFitWorkarounds
+    from accum_model._multi_worker import MultiWorkerFitWorkarounds
 
     class PlainModel(MultiWorkerFitWorkarounds, keras.Model):
         """Keras' own train_step, plus only AccumModel's MWMS workarounds."""

@@ -209,5 +209,24 @@ class ValidationTest(tf.test.TestCase, parameterized.TestCase):
         self.assertEqual(int(acc.micro_step), 0)
 
 
+class XlaApplyTest(tf.test.TestCase):
+    def test_xla_keeps_the_apply_out_of_every_micro_step(self):
+        # XLA turns a `tf.cond` with elementwise branches (an optimizer
+        # update) into a select of both, running the update on every
+        # micro-batch; the engine applies in a loop XLA does not speculate.
+        variable = tf.Variable([1.0, 2.0])
+        optimizer = keras.optimizers.Adam(0.1)
+        accumulator = GradientAccumulator([variable], accum_steps=2)
+        step = tf.function(
+            lambda g: accumulator.step([g], optimizer), jit_compile=True
+        )
+        grad = tf.constant([1.0, 1.0])
+        for _ in range(4):
+            step(grad)
+        self.assertEqual(int(optimizer.iterations), 2)
+        hlo = step.experimental_get_compiler_ir(grad)(stage="optimized_hlo")
+        self.assertIn("while", hlo)
+
+
 if __name__ == "__main__":
     tf.test.main()

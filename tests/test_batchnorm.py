@@ -46,22 +46,19 @@ def _expected_moving(initial_mean, initial_var, mean, var):
     )
 
 
-def _no_op_apply(grads, variables):
-    del grads, variables
-
-
 class _WindowDriver:
     """An engine with one dummy variable, to drive a layer's window."""
 
     def __init__(self, layer, accum_steps):
         self.dummy = tf.Variable(0.0)
-        self.engine = GradientAccumulator([self.dummy], accum_steps)
-        layer.attach_to_accumulator(self.engine)
+        self.accumulator = GradientAccumulator([self.dummy], accum_steps)
+        # Its updates move the dummy by nothing.
+        self.optimizer = keras.optimizers.SGD(0.0)
+        layer.attach_to_accumulator(self.accumulator)
 
     def micro_step(self, layer, x, **kwargs):
         y = layer(x, training=True, **kwargs)
-        self.engine.accumulate([tf.zeros(())], weight=1.0)
-        self.engine._close_if_full(_no_op_apply)
+        self.accumulator.step([tf.zeros(())], self.optimizer, weight=1.0)
         return y
 
 
@@ -263,7 +260,7 @@ class AccumBatchNormalizationTest(tf.test.TestCase, parameterized.TestCase):
         x = np.random.default_rng(0).normal(size=(4, 3, 2)).astype("float32")
         for _ in range(2):
             driver.micro_step(layer, x, mask=np.zeros((4, 3), bool))
-        self.assertEqual(int(driver.engine.micro_step), 0)  # applied
+        self.assertEqual(int(driver.accumulator.micro_step), 0)  # applied
         for w, b in zip(layer.non_trainable_weights, before):
             self.assertAllEqual(w, b)
         # A window with values does move them.

@@ -16,8 +16,6 @@ import tempfile
 
 import tensorflow as tf
 
-from accum_model import GradientAccumulator
-from accum_model._keras import keras
 from tests import testing_utils as tu
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -160,25 +158,6 @@ class BenchFitNoiseScaleTest(tf.test.TestCase):
             r["noise_scale"]["accum_gns_k1"]["measurements"],
             r["noise_scale"]["accum_gns_k3"]["measurements"],
         )
-
-
-class XlaApplyTest(tf.test.TestCase):
-    def test_xla_keeps_the_apply_out_of_every_micro_step(self):
-        # XLA turns a `tf.cond` with elementwise branches (an optimizer
-        # update) into a select of both, running the update on every
-        # micro-batch; the engine applies in a loop XLA does not speculate.
-        variable = tf.Variable([1.0, 2.0])
-        optimizer = keras.optimizers.Adam(0.1)
-        accumulator = GradientAccumulator([variable], accum_steps=2)
-        step = tf.function(
-            lambda g: accumulator.step([g], optimizer), jit_compile=True
-        )
-        grad = tf.constant([1.0, 1.0])
-        for _ in range(4):
-            step(grad)
-        self.assertEqual(int(optimizer.iterations), 2)
-        hlo = step.experimental_get_compiler_ir(grad)(stage="optimized_hlo")
-        self.assertIn("while", hlo)
 
 
 if __name__ == "__main__":

@@ -454,7 +454,9 @@ class _DistributeTestBase(tf.test.TestCase, parameterized.TestCase):
             if [num_tensors, num_bytes] not in gradients:
                 self.assertLessEqual(num_bytes, 8 * num_tensors)
 
-    def test_plain_fit_all_reduces_every_micro_batch(self):
+    def test_canary_plain_fit_all_reduces_every_micro_batch(self):
+        # Canary: checks plain fit, not this package; it
+        # fails when Keras changes what the docs compare with.
         # The same data through plain fit at the global batch: one gradient
         # all-reduce per step, 16 in all; the test above would catch an
         # engine that reduces per micro-batch.
@@ -539,7 +541,9 @@ class MultiWorkerMirroredStrategyTest(_DistributeTestBase):
         )
         self.assertIn(message, result["error"])
 
-    def test_keras_fit_needs_the_workarounds(self):
+    def test_canary_keras_fit_needs_the_workarounds(self):
+        # Canary: checks Keras' own fit, not this package; it
+        # fails when Keras changes what the docs compare with.
         # Keras 3.15's own fit fails under MultiWorkerMirroredStrategy for
         # a plain keras.Model; AccumModel trains (the tests above) because
         # of two workarounds, and each one alone is needed.

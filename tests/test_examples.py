@@ -1,5 +1,6 @@
 """The examples run end to end, with their flags, on tiny sizes."""
 
+import math
 import os
 import subprocess
 import sys
@@ -124,7 +125,12 @@ class NoiseScaleExampleTest(tf.test.TestCase):
         self.assertLen(epochs, 2)
         for line in epochs:
             # val_loss and B_simple for 3 runs, and the warm-up's N.
-            self.assertLen(line.split(), 1 + 3 * 2 + 1)
+            cells = line.split()
+            self.assertLen(cells, 1 + 3 * 2 + 1)
+            # Every run measured every epoch: a NaN (no estimate) or inf
+            # would still fill the table.
+            for cell in cells[1:-1]:
+                self.assertTrue(math.isfinite(float(cell)), line)
         for run in ("small", "large", "warmup"):
             self.assertTrue(
                 any(line.startswith(run + " ") for line in lines), run

@@ -1,11 +1,15 @@
-"""The adapter's version check: one clear ImportError below the floor.
+"""The adapter: the version check, and the private names it accounts for.
 
 Ground truth: the floor declared in setup.cfg (the releases CI's floor leg
-installs) and the message contract (what was found, what is needed).
+installs), the message contract (what was found, what is needed), and the
+package's source (every private TensorFlow or Keras name outside the
+adapter is in its list).
 """
 
 import configparser
+import glob
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -135,6 +139,80 @@ class CheckVersionsTest(tf.test.TestCase, parameterized.TestCase):
         self.assertStartsWith(last_line, "ImportError: accum_model requires ")
         self.assertIn(f"(found {old})", last_line)
         self.assertNotIn("AttributeError", result.stderr)
+
+
+# A private module path: a `src` or `python` package, or a component that
+# starts with an underscore (the package's own modules excepted).
+_PRIVATE_MODULE = re.compile(
+    r"^\s*(?:from|import)\s+((?!accum_model\b)[\w.]*"
+    r"(?:\.src\b|\.python\b|\._)[\w.]*)",
+    re.MULTILINE,
+)
+_PRIVATE_ATTRIBUTE = re.compile(r"(?:\.|\bdef\s+)(_[A-Za-z]\w*)")
+
+
+def _defines(source, name):
+    """Whether `source` defines `name` itself (or names it as a string)."""
+    n = re.escape(name)
+    return bool(
+        re.search(rf"\b(?:def|class)\s+{n}\b", source)
+        or re.search(rf"\b(?:self|cls|model)\.{n}\s*=(?!=)", source)
+        or re.search(rf"^\s*{n}\s*=(?!=)", source, re.MULTILINE)
+        or re.search(rf"[\"\']{n}[\"\']", source)
+    )
+
+
+def _keras_and_tensorflow_classes():
+    keras = _keras.keras
+    return (
+        keras.Model,
+        keras.layers.BatchNormalization,
+        keras.callbacks.Callback,
+        keras.optimizers.Optimizer,
+        _keras.ADAPTER.saveable_base,
+        tf.Module,
+        tf.Variable,
+    )
+
+
+class PrivateNamesTest(tf.test.TestCase):
+    def test_private_names_outside_the_adapter_are_listed(self):
+        # A grep over the package: every private import, and every private
+        # attribute that is not the module's own (or is one of Keras' or
+        # TensorFlow's, though defined here), must be in the adapter's list
+        # for that module. Also fails on one module using another's
+        # underscore names: they are not its own.
+        classes = _keras_and_tensorflow_classes()
+        unlisted = []
+        for path in sorted(
+            glob.glob(os.path.join(_ROOT, "accum_model", "*.py"))
+        ):
+            module = os.path.basename(path)
+            if module == "_keras.py":
+                continue
+            with open(path) as f:
+                source = f.read()
+            listed = _keras.PRIVATE_NAMES_ELSEWHERE.get(module, {})
+            for name in _PRIVATE_MODULE.findall(source):
+                if not any(name.startswith(entry) for entry in listed):
+                    unlisted.append(f"{module}: import {name}")
+            # The package's own modules are private by their names only.
+            own_modules = re.sub(r"accum_model\._\w+", "", source)
+            for name in set(_PRIVATE_ATTRIBUTE.findall(own_modules)):
+                if name.startswith("__") or name in listed:
+                    continue
+                foreign = any(hasattr(c, name) for c in classes)
+                if foreign or not _defines(source, name):
+                    unlisted.append(f"{module}: {name}")
+        self.assertEqual(sorted(unlisted), [])
+
+    def test_listed_names_are_used(self):
+        # The list stays exact: a name it holds is still used there.
+        for module, names in _keras.PRIVATE_NAMES_ELSEWHERE.items():
+            with open(os.path.join(_ROOT, "accum_model", module)) as f:
+                source = f.read()
+            for name in names:
+                self.assertTrue(name in source, f"{module}: {name}")
 
 
 if __name__ == "__main__":

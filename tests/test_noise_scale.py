@@ -137,22 +137,30 @@ class WindowEstimateTest(tf.test.TestCase, parameterized.TestCase):
         self.assertFalse(bool(valid))
 
 
+def _end_window(estimator, closed):
+    """What the accumulator does to the estimator when a window ends."""
+    for v in estimator.window_variables:
+        v.assign(tf.zeros_like(v))
+    if closed:
+        estimator.count_closed_window()
+
+
 class EstimatorTest(tf.test.TestCase, parameterized.TestCase):
     """The stateful estimator, fed as the engine feeds it."""
 
-    def _feed(self, estimator, windows, weighted=True):
+    def _feed(self, estimator, windows):
         @tf.function
         def one_window(hs, weights):
             accumulators = [tf.zeros([hs.shape[1]])]
             for k in range(hs.shape[0]):
+                # What the accumulator hands over: `w_k g_k`.
                 h = hs[k]
-                grads = [h] if weighted else [h / weights[k]]
-                estimator.add(grads, weights[k], weighted, _run_if)
+                estimator.add([h], weights[k], _run_if)
                 accumulators = [accumulators[0] + h]
             weight = tf.reduce_sum(weights)
             stats = estimator.statistics(accumulators, weight)
             estimator.update(stats, weight)
-            estimator.reset_window(closed=True)
+            _end_window(estimator, closed=True)
 
         for hs, weights in windows:
             one_window(
@@ -192,17 +200,16 @@ class EstimatorTest(tf.test.TestCase, parameterized.TestCase):
         return ema_s / correction, ema_g / correction, count
 
     @parameterized.named_parameters(
-        ("weighted", True, 1),
-        ("unweighted", False, 1),
-        ("every_third", True, 3),
+        ("every_window", 1),
+        ("every_third", 3),
     )
-    def test_moving_averages_follow_the_formula(self, weighted, every):
+    def test_moving_averages_follow_the_formula(self, every):
         beta = 0.8
         estimator = _noise_scale.NoiseScaleEstimator(
             _noise_scale.NoiseScale(every=every, beta=beta)
         )
         windows = self._windows(SIZES["short_last"], 7)
-        self._feed(estimator, windows, weighted=weighted)
+        self._feed(estimator, windows)
         s, g2, count = self._by_hand(windows, beta, every)
         self.assertEqual(estimator.measurements, count)
         self.assertAllClose(estimator.trace_sigma, s, rtol=1e-4)
@@ -239,11 +246,11 @@ class EstimatorTest(tf.test.TestCase, parameterized.TestCase):
         estimator = _noise_scale.NoiseScaleEstimator(
             _noise_scale.NoiseScale(every=2)
         )
-        estimator.add([tf.ones([2])], 1.0, True, _run_if)
-        estimator.reset_window(closed=False)
+        estimator.add([tf.ones([2])], 1.0, _run_if)
+        _end_window(estimator, closed=False)
         self.assertAllEqual(estimator.measuring(), True)
         self.assertEqual(float(estimator.state_variables[0]), 0.0)
-        estimator.reset_window(closed=True)
+        _end_window(estimator, closed=True)
         self.assertAllEqual(estimator.measuring(), False)
 
 
@@ -486,7 +493,7 @@ class OffAddsNothingTest(tf.test.TestCase, parameterized.TestCase):
             (_noise_scale.NoiseScaleEstimator, "add"),
             (_noise_scale.NoiseScaleEstimator, "statistics"),
             (_noise_scale.NoiseScaleEstimator, "update"),
-            (_noise_scale.NoiseScaleEstimator, "reset_window"),
+            (_noise_scale.NoiseScaleEstimator, "count_closed_window"),
         ]
         originals = [
             (owner, name, getattr(owner, name)) for owner, name in patches

@@ -1,0 +1,225 @@
+"""What an `AccumModel` keeps besides its weights, and what it warns once.
+
+`TrainingState` holds the model's `GradientAccumulator` (built once the
+model and its optimizer are), is saved with the model, and keeps the flags
+of the warnings a model gives once (a `train_step` that bypasses the window,
+a plain BatchNormalization, discarded windows).
+"""
+
+import contextlib
+import warnings
+import weakref
+
+import tensorflow as tf
+
+from accum_model import _keras
+from accum_model._accumulator import GradientAccumulator
+
+ADAPTER = _keras.ADAPTER
+keras = _keras.keras
+
+
+class TrainingState(ADAPTER.saveable_base):
+    """Holds the accumulator of an `AccumModel`: training state, not weights.
+
+    Keras' saving visits this object (it is a saveable attribute of the model)
+    and stores what `save_own_variables` writes, so `.keras` and `.weights.h5`
+    files, `ModelCheckpoint` and `BackupAndRestore` keep an open window. Its
+    variables are plain `tf.Variable`s, which Keras does not count as model
+    weights, and a plain `tf.keras.Model` loading the file never visits it.
+
+    Args:
+        model: The `AccumModel` (held by a weak reference).
+    """
+
+    def __init__(self, model):
+        super().__init__()
+        self._model_ref = weakref.ref(model)
+        self.accumulator = None
+        self._warned_batchnorm = False
+        self._warned_discarded = 0
+        # Whether a traced step went through the window (`train_step` or
+        # `accumulate_gradients`), and whether the model warned it did not.
+        self._traced_through_window = False
+        self._warned_bypass = False
+        self._without_window = False
+
+    def _obj_type(self):
+        # Private (Keras 3): the kind of object saving records.
+        return ADAPTER.saveable_obj_type
+
+    def build(self):
+        """Creates the accumulator for the model's trainable variables, once.
+
+        Runs eagerly (lifted out of any `tf.function` being traced), like
+        Keras' own optimizer building, so it may be called from the first
+        trace of the train step.
+
+        Returns:
+            The `GradientAccumulator`.
+        """
+        model = self._model_ref()
+        variables = list(model.trainable_variables)
+        if self.accumulator is not None and _same_variables(
+            self.accumulator.updated_variables, variables
+        ):
+            # A `compile` since may have brought an unbuilt optimizer, whose
+            # loss-scale variable the train step reads before applying.
+            if (
+                model.optimizer is not None
+                and variables
+                and not ADAPTER.optimizer_built(model.optimizer)
+            ):
+                with tf.init_scope(), model.distribute_strategy.scope():
+                    ADAPTER.build_optimizer(model.optimizer, variables)
+            return self.accumulator
+        with tf.init_scope():
+            if (
+                self.accumulator is not None
+                and int(self.accumulator.micro_step) > 0
+            ):
+                warnings.warn(
+                    "The trainable variables of the model changed while a "
+                    "window of accumulated gradients was open; that window "
+                    "is discarded.",
+                    stacklevel=3,
+                )
+            with model.distribute_strategy.scope():
+                accumulator = GradientAccumulator(
+                    variables,
+                    accum_steps=model.accum_steps,
+                    noise_scale=model.noise_scale,
+                    name="accumulation",
+                )
+                if model.optimizer is not None and variables:
+                    ADAPTER.build_optimizer(model.optimizer, variables)
+                # Eagerly and under the strategy, like the accumulator:
+                # layers create their window state here.
+                for layer in ADAPTER.layers(model):
+                    attach = getattr(layer, "attach_to_accumulator", None)
+                    if callable(attach):
+                        attach(accumulator)
+        self.accumulator = accumulator
+        ADAPTER.track_state(model, accumulator)
+        return accumulator
+
+    @contextlib.contextmanager
+    def without_window(self):
+        """Saves made inside leave the window out (`save_plain`)."""
+        self._without_window = True
+        try:
+            yield
+        finally:
+            self._without_window = False
+
+    def save_own_variables(self, store):
+        if self.accumulator is None or self._without_window:
+            return
+        for i, v in enumerate(self.accumulator.state_variables):
+            store[str(i)] = v.numpy()
+
+    def load_own_variables(self, store):
+        keys = list(store.keys())
+        if not keys:
+            # Saved by a plain model, or before any training: no open window.
+            if self.accumulator is not None:
+                self.accumulator.reset()
+            return
+        state = self.build().state_variables
+        if len(keys) != len(state):
+            raise ValueError(
+                "The saved accumulation state does not match this model: "
+                f"expected {len(state)} variables, received {len(keys)}."
+            )
+        for i, v in enumerate(state):
+            v.assign(store[str(i)])
+        # Discarded before the save: warned about then.
+        self._warned_discarded = int(self.accumulator.discarded_windows)
+        self.goes_through_window()
+
+    # Whether `fit` goes through the window
+
+    def traced_through_window(self):
+        """Records that a step being traced goes through the window."""
+        self._traced_through_window = True
+
+    def goes_through_window(self):
+        """Whether the model's steps go through its window.
+
+        True once a traced step went through it, or once the window holds
+        micro-batches: restored from a save, which tf_keras'
+        `BackupAndRestore` does through a checkpoint of the accumulator's
+        variables, never calling `load_own_variables`. Such a window is
+        applicable at once, before any step of this process.
+        """
+        if not self._traced_through_window and self.accumulator is not None:
+            self._traced_through_window = int(self.accumulator.micro_step) > 0
+        return self._traced_through_window
+
+    # Warnings given once
+
+    def warn_once_on_bypass(self):
+        model = self._model_ref()
+        if self._warned_bypass or self.goes_through_window():
+            return
+        self._warned_bypass = True
+        warnings.warn(
+            f"The `train_step` of {type(model).__name__} {model.name!r} did "
+            "not go through `AccumModel.train_step` or "
+            "`accumulate_gradients`, so it applies every micro-batch itself: "
+            f"accum_steps={model.accum_steps} and "
+            f"epoch_end={model.epoch_end!r} have no effect. Call "
+            "`super().train_step(data)`, or pass the gradients to "
+            "`self.accumulate_gradients(grads, weight)` instead of "
+            "`self.optimizer.apply` (see docs/models.md).",
+            stacklevel=2,
+        )
+
+    def warn_once_on_plain_batchnorm(self):
+        model = self._model_ref()
+        if self._warned_batchnorm or model.accum_steps <= 1:
+            return
+        for layer in ADAPTER.layers(model):
+            # A BatchNormalization subclass that takes the accumulator's
+            # hook (`AccumBatchNormalization`) handles accumulation itself;
+            # a frozen one runs in inference mode and updates nothing.
+            if (
+                isinstance(layer, keras.layers.BatchNormalization)
+                and layer.trainable
+                and not callable(getattr(layer, "attach_to_accumulator", None))
+            ):
+                self._warned_batchnorm = True
+                warnings.warn(
+                    f"`AccumModel` with accum_steps={model.accum_steps} "
+                    "trains the BatchNormalization layer "
+                    f"{layer.name!r}: its moving mean and variance are "
+                    "updated once per micro-batch (they decay like momentum "
+                    "** accum_steps per update and follow micro-batch "
+                    "moments). Use `accum_model.AccumBatchNormalization`, or "
+                    "`accum_model.replace_batchnorm(model)`, to update them "
+                    "once per update from the pooled moments of the whole "
+                    "window.",
+                    stacklevel=2,
+                )
+                return
+
+    def warn_if_discarded(self):
+        # Read once per epoch or flush, never per step: a host read would
+        # wait for the step.
+        if self.accumulator is None:
+            return
+        discarded = int(self.accumulator.discarded_windows)
+        if discarded > self._warned_discarded:
+            warnings.warn(
+                f"{discarded - self._warned_discarded} window(s) of "
+                "accumulated gradients held inf or NaN and were discarded, "
+                "not applied (the weights are those of the last finite "
+                f"update; {discarded} discarded in all, "
+                "`model.discarded_windows`).",
+                stacklevel=3,
+            )
+        self._warned_discarded = discarded
+
+
+def _same_variables(a, b):
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b))

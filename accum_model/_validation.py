@@ -1,0 +1,50 @@
+"""The argument checks shared by the package's front ends."""
+
+import numbers
+
+import numpy as np
+
+EPOCH_END_MODES = ("apply", "carry")
+
+
+def check_integer(name, value, minimum):
+    """Returns `value` as a Python int if it is an integer >= `minimum`.
+
+    Python and NumPy integers are accepted; bools (Python or NumPy), floats,
+    strings and `None` are not.
+
+    Args:
+        name: Str. The argument's name, for the message.
+        value: The value to check.
+        minimum: Int. The smallest value accepted.
+
+    Returns:
+        The value as a Python `int`.
+
+    Raises:
+        ValueError: If `value` is not an integer >= `minimum`.
+    """
+    is_int = isinstance(value, numbers.Integral) and not isinstance(
+        value, (bool, np.bool_)
+    )
+    if not is_int or value < minimum:
+        raise ValueError(
+            f"`{name}` must be an integer >= {minimum}. "
+            f"Received: {name}={value!r}"
+        )
+    return int(value)
+
+
+def check_accum_steps(accum_steps):
+    """Returns `accum_steps` as a Python int, or raises `ValueError`."""
+    return check_integer("accum_steps", accum_steps, 1)
+
+
+def check_epoch_end(epoch_end):
+    """Returns `epoch_end` if it is a known mode, else raises `ValueError`."""
+    if not isinstance(epoch_end, str) or epoch_end not in EPOCH_END_MODES:
+        raise ValueError(
+            f"`epoch_end` must be one of {EPOCH_END_MODES}. "
+            f"Received: epoch_end={epoch_end!r}"
+        )
+    return epoch_end
