@@ -25,24 +25,23 @@ from tests import testing_utils as tu
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _run_bench_fit(*flags):
-    """Runs `bench_fit.py --quick` with `flags`; (its result, its JSON path)."""
-    path = os.path.join(tempfile.mkdtemp(), "bench.json")
+def _run_benchmark(script, *flags):
+    """Runs `benchmarks/<script>` with `flags` in a subprocess."""
     env = dict(os.environ, PYTHONPATH=_ROOT, TF_CPP_MIN_LOG_LEVEL="2")
-    result = subprocess.run(
-        [
-            sys.executable,
-            os.path.join(_ROOT, "benchmarks", "bench_fit.py"),
-            "--quick",
-            *flags,
-            f"--json={path}",
-        ],
+    return subprocess.run(
+        [sys.executable, os.path.join(_ROOT, "benchmarks", script), *flags],
         capture_output=True,
         text=True,
         timeout=300,
         env=env,
         check=False,
     )
+
+
+def _run_bench_fit(*flags):
+    """Runs `bench_fit.py --quick` with `flags`; (its result, its JSON path)."""
+    path = os.path.join(tempfile.mkdtemp(), "bench.json")
+    result = _run_benchmark("bench_fit.py", "--quick", *flags, f"--json={path}")
     return result, path
 
 
@@ -164,27 +163,12 @@ class BenchFitNoiseScaleTest(tf.test.TestCase):
         )
 
 
-def _run_bench_memory(*flags):
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
-    return subprocess.run(
-        [
-            sys.executable,
-            os.path.join(_ROOT, "benchmarks", "bench_memory.py"),
-            *flags,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-        check=False,
-    )
-
-
 class BenchMemoryTest(tf.test.TestCase):
     @unittest.skipIf(tu.TF_KERAS, "keras-hub needs Keras 3")
     def test_quick_run_measures_each_configuration_in_its_process(self):
         path = os.path.join(tempfile.mkdtemp(), "memory.json")
-        result = _run_bench_memory(
+        result = _run_benchmark(
+            "bench_memory.py",
             "--quick",
             "--models=gpt2",
             "--runs=plain_E,accum",
@@ -244,7 +228,7 @@ class BenchMemoryTest(tf.test.TestCase):
         path = os.path.join(tempfile.mkdtemp(), "rows.json")
         with open(path, "w") as f:
             json.dump({"rows": rows}, f)
-        result = _run_bench_memory(f"--report={path}")
+        result = _run_benchmark("bench_memory.py", f"--report={path}")
         self.assertEqual(result.returncode, 0, result.stderr[-3000:])
         # Bytes print as MiB; the error column is exact.
         self.assertIn("| m | adamw | accum_4 | 2 |", result.stdout)
