@@ -33,7 +33,7 @@ prints each row's prediction against its measurement, and the crossover: the
 smallest effective batch at which accumulating N micro-batches peaks lower
 than the plain large batch.
 
-    python benchmarks/bench_memory.py                    # ~15 min, 2 cores
+    python benchmarks/bench_memory.py                    # 13 processes
     python benchmarks/bench_memory.py --models=gpt2 --accum_steps=1,2,4,8,16
     python benchmarks/bench_memory.py --optimizers=adamw,sgd --json out.json
     python benchmarks/bench_memory.py --device=gpu --effective_batch=64
