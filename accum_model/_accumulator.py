@@ -573,8 +573,13 @@ class GradientAccumulator(tf.Module):
         accumulators = self._accumulators + [self._weight_sum]
 
         def exact():
+            # Under XLA, reductions of values the close's loop does not
+            # change would be hoisted out of it, onto every micro-batch.
+            # Scaled by a counter the close resets, they stay in the loop; a
+            # factor of 0 or 1 keeps every element's finiteness.
+            live = tf.cast(self._micro_step > 0, tf.float32)
             bad = [
-                tf.logical_not(tf.reduce_all(tf.math.is_finite(v)))
+                tf.logical_not(tf.reduce_all(tf.math.is_finite(v * live)))
                 for v in accumulators
             ]
             return tf.reduce_sum(tf.cast(tf.stack(bad), tf.float32))

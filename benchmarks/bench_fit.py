@@ -51,7 +51,8 @@ calls made here.
     python benchmarks/bench_fit.py --json out.json --jit_compile=true
 
 Uses a GPU when TensorFlow sees one (Keras then compiles with XLA by
-default; `--jit_compile` overrides it).
+default; `--jit_compile` overrides it); `--device=cpu` or `--device=gpu`
+chooses.
 """
 
 import importlib.metadata
@@ -113,6 +114,12 @@ _JIT_COMPILE = flags.DEFINE_enum(
     "auto",
     ["auto", "true", "false"],
     "`jit_compile` for `compile` (auto: Keras' default, XLA on GPU only).",
+)
+_DEVICE = flags.DEFINE_enum(
+    "device",
+    "auto",
+    ["auto", "cpu", "gpu"],
+    "Where to train: a GPU when TensorFlow sees one (auto), or force one.",
 )
 _CLOCK = flags.DEFINE_enum(
     "clock",
@@ -685,6 +692,13 @@ def main(argv):
             "`--noise_scale_every` must be a list of integers >= 1. "
             f"Received: noise_scale_every={_NOISE_SCALE_EVERY.value!r}"
         )
+    gpus = tf.config.list_physical_devices("GPU")
+    if _DEVICE.value == "gpu" and not gpus:
+        raise app.UsageError(
+            "`--device=gpu` was asked for, and no GPU is seen."
+        )
+    if _DEVICE.value == "cpu":
+        tf.config.set_visible_devices([], "GPU")
     # Each model's flush is its own tf.function, traced once; TensorFlow's
     # retracing warning counts them together across the models built here.
     tf.get_logger().setLevel("ERROR")
@@ -724,7 +738,9 @@ def main(argv):
     if _NOISE_SCALE_EVERY.value:
         print(format_noise_table(results))
         print()
-    device = ", ".join(info["gpus"]) or f"CPU ({info['cpu_count']} cores)"
+    device = (
+        _DEVICE.value != "cpu" and ", ".join(info["gpus"])
+    ) or f"CPU ({info['cpu_count']} cores)"
     print(
         f"B={micro}, N={n}, {repeats} interleaved repeats; ratios of "
         f"samples per {_CLOCK.value} second, median [its "
@@ -745,6 +761,7 @@ def main(argv):
                         "seconds": _SECONDS.value,
                         "jit_compile": _JIT_COMPILE.value,
                         "clock": _CLOCK.value,
+                        "device": _DEVICE.value,
                         "quick": quick,
                     },
                     "contenders": _contender_names(

@@ -18,11 +18,9 @@ Each run happens in a fresh process so that its peak memory is its own.
     python examples/train.py --accum_steps=8 --batch_size=32
 """
 
-import multiprocessing
-import os
-import queue as _queue
 import sys
 
+import peak_memory
 from absl import app
 from absl import flags
 
@@ -79,10 +77,7 @@ def build(model_cls, width, seed, **kwargs):
 
 def run_one(run, config, queue):
     """Trains one configuration; puts (weights, history, peak bytes)."""
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    # TensorFlow's CPU allocator keeps no peak-memory statistics unless it is
-    # the BFC allocator, or oneDNN (on by default only on some CPUs) is on.
-    os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
+    peak_memory.prepare_process()
     import numpy as np
     import tensorflow as tf
 
@@ -109,7 +104,7 @@ def run_one(run, config, queue):
         metrics=["accuracy"],
         jit_compile=run == "large_xla",
     )
-    device = "GPU:0" if tf.config.list_physical_devices("GPU") else "CPU:0"
+    device = peak_memory.memory_device(tf)
     tf.config.experimental.reset_memory_stats(device)
     history = model.fit(
         x,
@@ -159,14 +154,11 @@ def compare(
         seed=seed,
         verbose=verbose,
     )
-    context = multiprocessing.get_context("spawn")
     results = {}
     for run in _RUNS:
-        queue = context.Queue()
-        process = context.Process(target=run_one, args=(run, config, queue))
-        process.start()
-        weights, history, updates, peak, device = _result_of(process, queue)
-        process.join(timeout=60)
+        weights, history, updates, peak, device = peak_memory.run_in_process(
+            run_one, run, config
+        )
         results[run] = dict(
             weights=weights,
             history=history,
@@ -175,20 +167,6 @@ def compare(
             device=device,
         )
     return results
-
-
-def _result_of(process, queue):
-    """What `process` put on `queue`; raises as soon as it died without."""
-    while True:
-        try:
-            return queue.get(timeout=1)
-        except _queue.Empty:
-            if not process.is_alive():
-                raise RuntimeError(
-                    f"The training process exited with code "
-                    f"{process.exitcode} without a result (its error is "
-                    "above)."
-                ) from None
 
 
 def max_diff(a, b):

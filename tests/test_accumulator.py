@@ -226,6 +226,39 @@ class XlaApplyTest(tf.test.TestCase):
         self.assertEqual(int(optimizer.iterations), 2)
         hlo = step.experimental_get_compiler_ir(grad)(stage="optimized_hlo")
         self.assertIn("while", hlo)
+        # Nor does the window's finite check run on every micro-step: XLA
+        # hoists loop-invariant work out of a loop, onto the entry
+        # computation, unless the check reads a value the loop changes.
+        self.assertIn("is-finite", hlo)
+        self.assertNotIn("is-finite", _outside_loops(hlo))
+
+
+def _outside_loops(hlo):
+    """The text of what an HLO module's entry runs outside any loop.
+
+    The entry computation and the fusions and reductions it calls, however
+    deep, without the bodies and conditions of its `while` loops.
+    """
+    computations = {}
+    for block in hlo.split("\n\n"):
+        words = block.split()
+        if len(words) < 2 or not block.rstrip().endswith("}"):
+            continue  # the module's header line
+        is_entry = words[0] == "ENTRY"
+        computations[words[is_entry].lstrip("%")] = (is_entry, block)
+    entry = next(
+        name for name, (is_entry, _) in computations.items() if is_entry
+    )
+    seen, todo, text = set(), [entry], []
+    while todo:
+        name = todo.pop()
+        if name in seen or name not in computations:
+            continue
+        seen.add(name)
+        block = computations[name][1]
+        text.append(block)
+        todo += re.findall(r"(?:calls|to_apply)=%([\w.\-]+)", block)
+    return "\n".join(text)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import unittest
 
 import tensorflow as tf
 
@@ -21,24 +22,23 @@ from tests import testing_utils as tu
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _run_bench_fit(*flags):
-    """Runs `bench_fit.py --quick` with `flags`; (its result, its JSON path)."""
-    path = os.path.join(tempfile.mkdtemp(), "bench.json")
+def _run_benchmark(script, *flags):
+    """Runs `benchmarks/<script>` with `flags` in a subprocess."""
     env = dict(os.environ, PYTHONPATH=_ROOT, TF_CPP_MIN_LOG_LEVEL="2")
-    result = subprocess.run(
-        [
-            sys.executable,
-            os.path.join(_ROOT, "benchmarks", "bench_fit.py"),
-            "--quick",
-            *flags,
-            f"--json={path}",
-        ],
+    return subprocess.run(
+        [sys.executable, os.path.join(_ROOT, "benchmarks", script), *flags],
         capture_output=True,
         text=True,
         timeout=300,
         env=env,
         check=False,
     )
+
+
+def _run_bench_fit(*flags):
+    """Runs `bench_fit.py --quick` with `flags`; (its result, its JSON path)."""
+    path = os.path.join(tempfile.mkdtemp(), "bench.json")
+    result = _run_benchmark("bench_fit.py", "--quick", *flags, f"--json={path}")
     return result, path
 
 
@@ -158,6 +158,82 @@ class BenchFitNoiseScaleTest(tf.test.TestCase):
             r["noise_scale"]["accum_gns_k1"]["measurements"],
             r["noise_scale"]["accum_gns_k3"]["measurements"],
         )
+
+
+class BenchMemoryTest(tf.test.TestCase):
+    @unittest.skipIf(tu.TF_KERAS, "keras-hub needs Keras 3")
+    def test_quick_run_measures_each_configuration_in_its_process(self):
+        path = os.path.join(tempfile.mkdtemp(), "memory.json")
+        result = _run_benchmark(
+            "bench_memory.py",
+            "--quick",
+            "--models=gpt2",
+            "--runs=plain_E,accum",
+            "--jobs=2",
+            f"--json={path}",
+        )
+        self.assertEqual(result.returncode, 0, result.stderr[-3000:])
+        with open(path) as f:
+            rows = {r["run"]: r for r in json.load(f)["rows"]}
+        self.assertCountEqual(rows, ["plain_E", "accum"])
+        for r in rows.values():
+            self.assertGreater(r["peak_bytes"], r["weight_bytes"])
+            self.assertGreater(r["samples_per_second"], 0)
+        self.assertEqual(rows["plain_E"]["micro_batch"], 4)
+        self.assertEqual(rows["accum"]["micro_batch"], 2)
+        # One update per window: the warm-up one and the measured one.
+        self.assertEqual(rows["accum"]["updates"], 2)
+        # The window: one float32 copy of the trainable weights, and a few
+        # counters.
+        extra = (
+            rows["accum"]["accumulator_bytes"]
+            - rows["accum"]["trainable_bytes"]
+        )
+        self.assertBetween(extra, 0, 1024)
+        self.assertIn("| gpt2 | adamw | accum_2 | 2 |", result.stdout)
+
+    def test_memory_model_by_hand(self):
+        # Plain at 8 and 2 samples: 600 and 300 bytes over the static ones,
+        # so 50 bytes per sample and a constant of 200. Static: weights 1000,
+        # slots 2000, accumulators 100 (AccumModel, built-in), gradients 100
+        # (plain), 200 (built-in: also every `g + acc`), none (AccumModel:
+        # never all alive at once): AccumModel is predicted at
+        # 1000 + 2000 + 100 + 2 * 50 + 200, the built-in option 200 above.
+        def row(run, micro, n, peak, accumulators=0):
+            return dict(
+                model="m",
+                optimizer="adamw",
+                run=run,
+                micro_batch=micro,
+                accum_steps=n,
+                peak_bytes=peak,
+                weight_bytes=1000,
+                optimizer_slot_bytes=2000,
+                trainable_bytes=100,
+                trainable_parameters=25,
+                accumulator_bytes=accumulators,
+                samples_per_second=1.0,
+                device_name="CPU:0",
+            )
+
+        rows = [
+            row("plain_E", 8, 1, 3700),
+            row("plain_B", 2, 1, 3400),
+            row("accum", 2, 4, 3410, 100),
+            row("builtin", 2, 4, 3600, 100),
+        ]
+        path = os.path.join(tempfile.mkdtemp(), "rows.json")
+        with open(path, "w") as f:
+            json.dump({"rows": rows}, f)
+        result = _run_benchmark("bench_memory.py", f"--report={path}")
+        self.assertEqual(result.returncode, 0, result.stderr[-3000:])
+        # Bytes print as MiB; the error column is exact.
+        self.assertIn("| m | adamw | accum_4 | 2 |", result.stdout)
+        self.assertIn("| -0.3% |", result.stdout)  # 3400 against 3410
+        self.assertIn("| +0.0% |", result.stdout)  # builtin: 3600
+        # The built-in option saves from E = 200 / (50 * 3/4) = 5.3;
+        # AccumModel holds nothing more than plain fit here.
+        self.assertIn("| 0.0 (N=4) | 5.3 (N=4) |", result.stdout)
 
 
 if __name__ == "__main__":

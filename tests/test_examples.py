@@ -45,11 +45,11 @@ class TrainExampleTest(tf.test.TestCase):
         code = (
             "import multiprocessing, sys\n"
             f"sys.path.insert(0, {os.path.join(_ROOT, 'examples')!r})\n"
-            "import train\n"
+            "import peak_memory\n"
             "context = multiprocessing.get_context('spawn')\n"
             "process = context.Process(target=sys.exit, args=(3,))\n"
             "process.start()\n"
-            "train._result_of(process, context.Queue())\n"
+            "peak_memory.result_of(process, context.Queue())\n"
         )
         result = subprocess.run(
             [sys.executable, "-c", code],

@@ -699,7 +699,12 @@ class LogsTest(tf.test.TestCase, parameterized.TestCase):
         }
         ref_hist, _ = tu.train(reference, x, y, 8, 3, "adam", **kwargs)
         hist, _ = tu.train(model, x, y, 2, 3, "adam", **kwargs)
-        self.assertEqual(set(hist.history), set(ref_hist.history))
+        # Plain fit's logs, and the count of discarded windows (in every
+        # precision, for callbacks to stop on).
+        self.assertEqual(
+            set(hist.history), set(ref_hist.history) | {"discarded_windows"}
+        )
+        self.assertEqual(hist.history["discarded_windows"], [0, 0, 0])
         for key, values in ref_hist.history.items():
             self.assertAllClose(hist.history[key], values, atol=1e-5, msg=key)
         self.assertAllClose(

@@ -1,0 +1,660 @@
+"""When does accumulation save memory? Peaks of real-size models, measured.
+
+For each model and optimizer this trains, each configuration in its own
+process (a peak is per process), from random weights on random data made
+here (nothing is downloaded):
+
+  plain_E    plain `fit` at the effective batch E (what accumulation
+             stands for)
+  plain_B    plain `fit` at the micro-batch B = E / N (what fits without
+             accumulation)
+  accum_N    `accumulate(model, N)` at B = E / N, for each N of
+             `--accum_steps`
+  builtin_N  plain `fit` at B with the optimizer's own
+             `gradient_accumulation_steps=N` (Keras 3)
+
+Models: GPT-2 124M (keras-hub `GPT2Backbone` at the base configuration, with
+the causal LM head tied to the token embedding), GPT-2 with LoRA (keras-hub's
+`enable_lora`, rank 4, on the attention's query and value), a BERT-base
+classifier (keras-hub, 2 classes) and ResNet-50 (`keras.applications`,
+`weights=None`, 1000 classes).
+
+Each configuration trains two windows (two optimizer updates) in one `fit`:
+the first warms up (tracing, the optimizer's variables), and the second is
+measured: the allocator's peak from its first micro-batch to its end (weights,
+optimizer slots and accumulators included: they are alive), and samples per
+second over it (one repeat per configuration unless `--windows` says more).
+
+Then it fits the memory model of `docs/memory.md` per model and optimizer:
+the static bytes (weights, gradients, optimizer slots, accumulators) from the
+variables' sizes and dtypes, the activations per sample and a constant from
+the two plain runs (the slope and intercept of peak against batch size), and
+prints each row's prediction against its measurement, and the crossover: the
+smallest effective batch at which accumulating N micro-batches peaks lower
+than the plain large batch.
+
+    python benchmarks/bench_memory.py                    # 13 processes
+    python benchmarks/bench_memory.py --models=gpt2 --accum_steps=1,2,4,8,16
+    python benchmarks/bench_memory.py --optimizers=adamw,sgd --json out.json
+    python benchmarks/bench_memory.py --device=gpu --effective_batch=64
+    python benchmarks/bench_memory.py --quick            # tiny models, smoke
+
+Memory is read from `tf.config.experimental.get_memory_info`: the BFC
+allocator's statistics on the CPU (switched on for each process), the GPU's
+allocator on a GPU.
+"""
+
+import importlib.metadata
+import json
+import os
+import platform
+import sys
+import time
+
+from absl import app
+from absl import flags
+
+# The checkout this file is in is what it measures (not an installed copy),
+# and its examples hold the memory helper shared with `examples/train.py`.
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [_ROOT, os.path.join(_ROOT, "examples")]
+import peak_memory  # noqa: E402
+
+MODELS = ("gpt2", "gpt2_lora", "bert", "resnet50")
+OPTIMIZERS = ("adamw", "sgd")
+RUNS = ("plain_E", "plain_B", "accum", "builtin")
+LORA_RANK = 4
+MIB = 2**20
+
+_MODELS = flags.DEFINE_list("models", list(MODELS), f"Which of {MODELS}.")
+_OPTIMIZERS = flags.DEFINE_list(
+    "optimizers", ["adamw"], f"Which of {OPTIMIZERS}."
+)
+_RUNS = flags.DEFINE_list(
+    "runs",
+    list(RUNS),
+    f"Which of {RUNS}; accum runs once per `--accum_steps`, builtin at the "
+    "first of them, plain_B at E divided by the first of them.",
+)
+_BUILTIN_MODELS = flags.DEFINE_list(
+    "builtin_models",
+    ["gpt2"],
+    "The models that also run builtin (when `--runs` has it).",
+)
+_EFFECTIVE_BATCH = flags.DEFINE_integer(
+    "effective_batch", 16, "E: samples per optimizer update."
+)
+_ACCUM_STEPS = flags.DEFINE_list(
+    "accum_steps", ["4"], "The N to accumulate over (each divides E)."
+)
+_SEQUENCE_LENGTH = flags.DEFINE_integer(
+    "sequence_length", 128, "Tokens per sample (GPT-2, BERT)."
+)
+_IMAGE_SIZE = flags.DEFINE_integer(
+    "image_size", 224, "Image side in pixels (ResNet-50)."
+)
+_WINDOWS = flags.DEFINE_integer(
+    "windows",
+    1,
+    "Measured windows per configuration after the warm-up one: the "
+    "repeats behind each samples/s figure.",
+)
+_DEVICE = flags.DEFINE_enum(
+    "device",
+    "auto",
+    list(peak_memory.DEVICES),
+    "Where to train: a GPU when TensorFlow sees one (auto), or force one.",
+)
+_JOBS = flags.DEFINE_integer(
+    "jobs",
+    1,
+    "Configurations run at once (their peaks stay apart, their speeds do "
+    "not: more than 1 only for smoke runs).",
+)
+_QUICK = flags.DEFINE_bool(
+    "quick",
+    False,
+    "Tiny models and batches: checks the program, measures nothing worth "
+    "reading.",
+)
+_JSON = flags.DEFINE_string("json", None, "Also write the results here.")
+_REPORT = flags.DEFINE_string(
+    "report",
+    None,
+    "Measure nothing: print the tables of the rows in this `--json` file.",
+)
+
+
+# The models, built in the worker process. Each returns (model, x, y) with
+# `x` and `y` holding `samples` samples.
+
+
+def _gpt2_config(quick):
+    if quick:
+        return dict(
+            vocabulary_size=1000,
+            num_layers=2,
+            num_heads=2,
+            hidden_dim=32,
+            intermediate_dim=64,
+        )
+    return dict(
+        vocabulary_size=50257,
+        num_layers=12,
+        num_heads=12,
+        hidden_dim=768,
+        intermediate_dim=3072,
+    )
+
+
+def _tokens(np, rng, samples, length, vocabulary):
+    return {
+        "token_ids": rng.integers(0, vocabulary, (samples, length)).astype(
+            "int32"
+        ),
+        "padding_mask": np.ones((samples, length), "int32"),
+    }
+
+
+def _gpt2(config, samples, lora=False):
+    import keras_hub
+    import numpy as np
+
+    arch = _gpt2_config(config["quick"])
+    length = config["sequence_length"]
+    backbone = keras_hub.models.GPT2Backbone(
+        max_sequence_length=max(length, 1024 if not config["quick"] else 16),
+        **arch,
+    )
+    model = keras_hub.models.GPT2CausalLM(backbone, preprocessor=None)
+    if lora:
+        backbone.enable_lora(LORA_RANK)
+    rng = np.random.default_rng(0)
+    vocabulary = arch["vocabulary_size"]
+    x = _tokens(np, rng, samples, length, vocabulary)
+    y = rng.integers(0, vocabulary, (samples, length)).astype("int32")
+    return model, x, y
+
+
+def _bert(config, samples):
+    import keras_hub
+    import numpy as np
+
+    quick = config["quick"]
+    length = config["sequence_length"]
+    backbone = keras_hub.models.BertBackbone(
+        vocabulary_size=1000 if quick else 30522,
+        num_layers=2 if quick else 12,
+        num_heads=2 if quick else 12,
+        hidden_dim=32 if quick else 768,
+        intermediate_dim=64 if quick else 3072,
+        max_sequence_length=max(length, 512 if not quick else 16),
+    )
+    model = keras_hub.models.BertTextClassifier(
+        backbone, num_classes=2, preprocessor=None
+    )
+    rng = np.random.default_rng(0)
+    x = _tokens(np, rng, samples, length, 1000 if quick else 30522)
+    x["segment_ids"] = np.zeros_like(x["token_ids"])
+    y = rng.integers(0, 2, (samples,)).astype("int32")
+    return model, x, y
+
+
+def _resnet50(config, samples):
+    import keras
+    import numpy as np
+
+    side = config["image_size"]
+    model = keras.applications.ResNet50(
+        weights=None, input_shape=(side, side, 3), classes=1000
+    )
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(samples, side, side, 3)).astype("float32")
+    y = rng.integers(0, 1000, (samples,)).astype("int32")
+    return model, x, y
+
+
+def _build(config, samples):
+    name = config["model"]
+    if name == "gpt2":
+        return _gpt2(config, samples)
+    if name == "gpt2_lora":
+        return _gpt2(config, samples, lora=True)
+    if name == "bert":
+        return _bert(config, samples)
+    return _resnet50(config, samples)
+
+
+def _bytes(variables):
+    import numpy as np
+
+    return int(
+        sum(
+            np.prod(v.shape)
+            * np.dtype(getattr(v.dtype, "name", v.dtype)).itemsize
+            for v in variables
+        )
+    )
+
+
+def measure(config, queue):
+    """Trains one configuration in this process; puts its measurements.
+
+    Args:
+        config: A dict: model, optimizer, run, micro_batch, accum_steps,
+            sequence_length, image_size, windows, device, quick.
+        queue: Where the result dict goes.
+    """
+    began = time.perf_counter()
+    peak_memory.prepare_process(config["device"])
+    import keras
+    import tensorflow as tf
+
+    import accum_model
+
+    tf.get_logger().setLevel("ERROR")
+    device = peak_memory.memory_device(tf, config["device"])
+    run, n, micro = config["run"], config["accum_steps"], config["micro_batch"]
+    window = 1 if run.startswith("plain") else n
+    steps = window * (1 + config["windows"])
+    keras.utils.set_random_seed(0)
+    model, x, y = _build(config, micro * steps)
+    optimizer_kwargs = (
+        {"gradient_accumulation_steps": n} if run == "builtin" else {}
+    )
+    if config["optimizer"] == "adamw":
+        optimizer = keras.optimizers.AdamW(1e-4, **optimizer_kwargs)
+    else:
+        optimizer = keras.optimizers.SGD(1e-3, **optimizer_kwargs)
+    if run == "accum":
+        accum_model.accumulate(model, n)
+    model.compile(
+        optimizer=optimizer,
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        jit_compile=False,
+    )
+    resident = tf.config.experimental.get_memory_info(device)["current"]
+
+    class Window(keras.callbacks.Callback):
+        """Resets the peak and starts the clock at the measured window."""
+
+        def on_train_batch_begin(self, batch, logs=None):
+            if batch == window:
+                self.warm_up_peak = tf.config.experimental.get_memory_info(
+                    device
+                )["peak"]
+                tf.config.experimental.reset_memory_stats(device)
+                self.start = time.perf_counter()
+
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == steps - 1:
+                # The window closed in this batch. Reading a variable waits
+                # for the step on an asynchronous device; the epoch's end
+                # would also time AccumModel's epoch-end function, traced
+                # there.
+                int(model.optimizer.iterations)
+                self.seconds = time.perf_counter() - self.start
+
+    clock = Window()
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(micro)
+    model.fit(dataset, epochs=1, verbose=0, callbacks=[clock])
+    info = tf.config.experimental.get_memory_info(device)
+    trainable = model.trainable_variables
+    builtin = getattr(optimizer, "_accumulated_gradients", [])
+    builtin_ids = {id(v) for v in builtin}
+    queue.put(
+        {
+            **config,
+            "device_name": device,
+            "peak_bytes": info["peak"],
+            "warm_up_peak_bytes": clock.warm_up_peak,
+            "resident_before_fit_bytes": resident,
+            "resident_after_fit_bytes": info["current"],
+            "samples_per_second": micro * (steps - window) / clock.seconds,
+            "process_seconds": time.perf_counter() - began,
+            "updates": int(model.optimizer.iterations),
+            "parameters": int(model.count_params()),
+            "trainable_parameters": int(
+                sum(int(tf.size(v)) for v in trainable)
+            ),
+            "weight_bytes": _bytes(model.weights),
+            "trainable_bytes": _bytes(trainable),
+            "optimizer_slot_bytes": _bytes(
+                v
+                for v in optimizer.variables
+                if len(v.shape) > 0 and id(v) not in builtin_ids
+            ),
+            "accumulator_bytes": (
+                _bytes(model.gradient_accumulator.state_variables)
+                if run == "accum"
+                else _bytes(builtin)
+            ),
+        }
+    )
+
+
+def configurations(
+    models, optimizers, runs, effective, accum_steps, base, builtin_models=()
+):
+    """The configurations to measure, in order, as dicts for `measure`."""
+    first = accum_steps[0]
+    configs = []
+    for model in models:
+        for optimizer in optimizers:
+            rows = []
+            if "plain_E" in runs:
+                rows.append(("plain_E", effective, 1))
+            if "plain_B" in runs:
+                rows.append(("plain_B", effective // first, 1))
+            if "accum" in runs:
+                rows += [("accum", effective // n, n) for n in accum_steps]
+            if "builtin" in runs and model in builtin_models:
+                rows.append(("builtin", effective // first, first))
+            for run, micro, n in rows:
+                configs.append(
+                    dict(
+                        base,
+                        model=model,
+                        optimizer=optimizer,
+                        run=run,
+                        micro_batch=micro,
+                        accum_steps=n,
+                    )
+                )
+    return configs
+
+
+def label(row):
+    """`plain_E`, `plain_B`, `accum_N` or `builtin_N`."""
+    if row["run"].startswith("plain"):
+        return row["run"]
+    return f"{row['run']}_{row['accum_steps']}"
+
+
+def memory_model(rows):
+    """Fits the memory model per model and optimizer; predicts every row.
+
+    A peak is the static bytes plus `a * b` (the activations of a micro-batch
+    of `b` samples) plus a constant `c`. The static bytes come from the
+    variables' sizes: weights, optimizer slots and accumulators, plus the
+    gradients where they all wait for the optimizer together (plain fit;
+    twice for the built-in option, see `static_bytes`); `AccumModel` adds
+    each gradient into its accumulator as the backward pass produces it, so
+    its gradients never all live at once. `a` and `c` come
+    from the two plain runs of the same model and optimizer. Sets
+    `predicted_bytes` on every row of a group that has both.
+
+    Args:
+        rows: The measured rows (dicts from `measure`), changed in place.
+
+    Returns:
+        A list of dicts, one per model and optimizer with both plain runs:
+        the terms of the model, and for each N measured the smallest
+        effective batch at which accumulating (AccumModel, built-in) peaks
+        below the plain large batch.
+    """
+    fits = []
+    groups = {}
+    for row in rows:
+        groups.setdefault((row["model"], row["optimizer"]), []).append(row)
+    for (model, optimizer), group in groups.items():
+        by = {label(r): r for r in group}
+        if "plain_E" not in by or "plain_B" not in by:
+            continue
+        large, small = by["plain_E"], by["plain_B"]
+        per_sample = (large["peak_bytes"] - small["peak_bytes"]) / (
+            large["micro_batch"] - small["micro_batch"]
+        )
+        constant = (
+            small["peak_bytes"]
+            - static_bytes(small)
+            - per_sample * small["micro_batch"]
+        )
+        for r in group:
+            r["predicted_bytes"] = (
+                static_bytes(r) + per_sample * r["micro_batch"] + constant
+            )
+        gradients = large["trainable_bytes"]
+        accumulators = max(
+            (r["accumulator_bytes"] for r in group if r["run"] == "accum"),
+            default=gradients,
+        )
+        ns = sorted({r["accum_steps"] for r in group if r["run"] != "plain_E"})
+
+        def crossover(extra):
+            # Accumulating N saves memory once the activations of the N - 1
+            # micro-batches it avoids, a * E * (1 - 1/N), outweigh what it
+            # holds in addition to plain fit.
+            return {
+                n: max(extra, 0) / (per_sample * (1 - 1 / n))
+                for n in ns
+                if n > 1 and per_sample > 0
+            }
+
+        fits.append(
+            {
+                "model": model,
+                "optimizer": optimizer,
+                "weight_bytes": large["weight_bytes"],
+                "gradient_bytes": gradients,
+                "optimizer_slot_bytes": large["optimizer_slot_bytes"],
+                "accumulator_bytes": accumulators,
+                "activation_bytes_per_sample": per_sample,
+                "constant_bytes": constant,
+                "crossover_effective_batch": {
+                    "accum": crossover(accumulators - gradients),
+                    "builtin": crossover(accumulators + gradients),
+                },
+                "effective_batch": large["micro_batch"],
+            }
+        )
+    return fits
+
+
+def static_bytes(row):
+    """Weights, optimizer slots, accumulators, and gradients alive at once.
+
+    Plain fit holds every gradient until the optimizer runs; the built-in
+    option also builds `g + acc` for every variable before it stores the
+    first; `AccumModel` holds none of them all at once.
+    """
+    copies = {"accum": 0, "builtin": 2}.get(row["run"], 1)
+    gradients = copies * row["trainable_bytes"]
+    return (
+        row["weight_bytes"]
+        + row["optimizer_slot_bytes"]
+        + row["accumulator_bytes"]
+        + gradients
+    )
+
+
+def _mib(value):
+    return f"{value / MIB:,.0f}"
+
+
+def format_rows(rows):
+    """The measured rows as a Markdown table."""
+    lines = [
+        "| model | optimizer | run | micro-batch | trainable params | "
+        "peak MiB | predicted MiB | error | samples/s | speed / plain_E |",
+        "|---" * 10 + "|",
+    ]
+    speeds = {
+        (r["model"], r["optimizer"]): r["samples_per_second"]
+        for r in rows
+        if r["run"] == "plain_E"
+    }
+    for r in rows:
+        predicted = r.get("predicted_bytes")
+        fitted = r["run"].startswith("plain")
+        error = (
+            "-"
+            if predicted is None
+            else "fitted"
+            if fitted
+            else f"{(predicted - r['peak_bytes']) / r['peak_bytes']:+.1%}"
+        )
+        plain = speeds.get((r["model"], r["optimizer"]))
+        speed = (
+            "-" if plain is None else f"{r['samples_per_second'] / plain:.2f}"
+        )
+        lines.append(
+            f"| {r['model']} | {r['optimizer']} | {label(r)} | "
+            f"{r['micro_batch']} | {r['trainable_parameters'] / 1e6:.2f}M | "
+            f"{_mib(r['peak_bytes'])} | "
+            f"{'-' if predicted is None else _mib(predicted)} | {error} | "
+            f"{r['samples_per_second']:.2f} | "
+            f"{speed} |"
+        )
+    return "\n".join(lines)
+
+
+def format_fits(fits):
+    """The memory model's terms and crossovers as a Markdown table."""
+    lines = [
+        "| model | optimizer | weights | gradients | optimizer slots | "
+        "accumulators | activations / sample | constant | "
+        "AccumModel saves memory from E = | built-in saves memory from E = |",
+        "|---" * 10 + "|",
+    ]
+    for f in fits:
+        crossovers = [
+            ", ".join(
+                f"{e:.1f} (N={n})"
+                for n, e in f["crossover_effective_batch"][kind].items()
+            )
+            or "-"
+            for kind in ("accum", "builtin")
+        ]
+        lines.append(
+            f"| {f['model']} | {f['optimizer']} | {_mib(f['weight_bytes'])} | "
+            f"{_mib(f['gradient_bytes'])} | "
+            f"{_mib(f['optimizer_slot_bytes'])} | "
+            f"{_mib(f['accumulator_bytes'])} | "
+            f"{f['activation_bytes_per_sample'] / MIB:,.1f} | "
+            f"{_mib(f['constant_bytes'])} | {crossovers[0]} | "
+            f"{crossovers[1]} |"
+        )
+    return "\n".join(lines)
+
+
+def machine_info():
+    return {
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "keras": importlib.metadata.version("keras"),
+        "keras_hub": importlib.metadata.version("keras-hub"),
+        "tensorflow": importlib.metadata.version("tensorflow"),
+    }
+
+
+def _run_all(configs, jobs):
+    if jobs <= 1:
+        results = []
+        for config in configs:
+            results.append(peak_memory.run_in_process(measure, config))
+            _print_progress(results[-1])
+        return results
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(jobs) as pool:
+        results = list(
+            pool.map(lambda c: peak_memory.run_in_process(measure, c), configs)
+        )
+    for r in results:
+        _print_progress(r)
+    return results
+
+
+def _print_progress(r):
+    print(
+        f"{r['model']} {r['optimizer']} {label(r)} (B={r['micro_batch']}): "
+        f"peak {_mib(r['peak_bytes'])} MiB, "
+        f"{r['samples_per_second']:.2f} samples/s",
+        flush=True,
+    )
+
+
+def _print_tables(rows, fits):
+    print()
+    print(format_rows(rows))
+    print()
+    if fits:
+        print(format_fits(fits))
+        print()
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError("Too many command-line arguments.")
+    for name, values, known in (
+        ("models", _MODELS.value, MODELS),
+        ("optimizers", _OPTIMIZERS.value, OPTIMIZERS),
+        ("runs", _RUNS.value, RUNS),
+    ):
+        if not values or any(v not in known for v in values):
+            raise app.UsageError(
+                f"`--{name}` must be a list of {known}. "
+                f"Received: {name}={values!r}"
+            )
+    if _REPORT.value:
+        with open(_REPORT.value) as f:
+            rows = json.load(f)["rows"]
+        _print_tables(rows, memory_model(rows))
+        return
+    quick = _QUICK.value
+    effective = 4 if quick else _EFFECTIVE_BATCH.value
+    accum_steps = [2] if quick else _ACCUM_STEPS.value
+    if not all(
+        str(n).isdigit() and int(n) >= 1 and effective % int(n) == 0
+        for n in accum_steps
+    ):
+        raise app.UsageError(
+            "`--accum_steps` must be a list of integers >= 1 that divide "
+            f"`--effective_batch` ({effective}). "
+            f"Received: accum_steps={accum_steps!r}"
+        )
+    base = dict(
+        sequence_length=8 if quick else _SEQUENCE_LENGTH.value,
+        image_size=32 if quick else _IMAGE_SIZE.value,
+        windows=_WINDOWS.value,
+        device=_DEVICE.value,
+        quick=quick,
+    )
+    configs = configurations(
+        _MODELS.value,
+        _OPTIMIZERS.value,
+        _RUNS.value,
+        effective,
+        [int(n) for n in accum_steps],
+        base,
+        _BUILTIN_MODELS.value,
+    )
+    started = time.perf_counter()
+    rows = _run_all(configs, _JOBS.value)
+    fits = memory_model(rows)
+    seconds = time.perf_counter() - started
+    info = machine_info()
+    _print_tables(rows, fits)
+    print(
+        f"E={effective}, sequence length {base['sequence_length']}, images "
+        f"{base['image_size']}px; peaks of one measured window after one "
+        f"warm-up window; samples/s over {base['windows']} window(s) per "
+        f"configuration; {rows[0]['device_name']} "
+        f"({info['cpu_count']} CPU cores), TensorFlow {info['tensorflow']}, "
+        f"Keras {info['keras']}, keras-hub {info['keras_hub']}; "
+        f"{len(rows)} processes, {seconds:.0f} s."
+    )
+    if _JSON.value:
+        with open(_JSON.value, "w") as f:
+            json.dump(
+                {"machine": info, "rows": rows, "memory_model": fits},
+                f,
+                indent=2,
+                default=str,
+            )
+
+
+if __name__ == "__main__":
+    app.run(main)
