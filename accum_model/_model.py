@@ -8,6 +8,7 @@ itself in `_accumulator`.
 """
 
 import warnings
+import weakref
 
 import tensorflow as tf
 
@@ -353,14 +354,17 @@ class AccumModel(
             # A `train_step` of its own that applies updates itself (see
             # `warn_once_on_bypass`): nothing was accumulated.
             return False
-        flush = self._flush_function
-        if flush is None or flush[0] is not accumulator:
+        if self._flush_function is None or (
+            self._flush_accumulator() is not accumulator
+        ):
             # A new accumulator (the trainable variables changed) or a new
-            # train function: traced again.
-            flush = (accumulator, self._make_flush_function(accumulator))
-            self._flush_function = flush
+            # train function: traced again. A weak reference: tf_keras would
+            # count the variables of an accumulator held by an attribute of
+            # the model among its weights.
+            self._flush_function = self._make_flush_function(accumulator)
+            self._flush_accumulator = weakref.ref(accumulator)
         discarded = int(accumulator.discarded_windows)
-        closed = bool(flush[1]())
+        closed = bool(self._flush_function())
         applied = closed and int(accumulator.discarded_windows) == discarded
         self._accum_state.warn_if_discarded()
         return applied
@@ -396,6 +400,7 @@ def init_accumulation(model, accum_steps, epoch_end, noise_scale=None):
     model._noise_scale = noise_scale
     model._accum_state = TrainingState(model)
     model._flush_function = None
+    model._flush_accumulator = lambda: None
 
 
 def training_state(model):
