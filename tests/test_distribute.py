@@ -27,7 +27,10 @@ from tests import testing_utils as tu
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _WORKER = os.path.join(_ROOT, "tests", "distribute_worker.py")
-_TIMEOUT_S = 240
+# Generous: every case of a strategy runs in one worker run (about 200 s on
+# two loaded cores); the limit only bounds how long a hung worker is waited
+# for.
+_TIMEOUT_S = 480
 _REPLICAS = 2
 
 # Per-replica micro-batch B, accum_steps N; the global batch is 2*B and one
