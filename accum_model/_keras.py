@@ -438,13 +438,18 @@ class _Keras3Adapter:
             None,
         )
 
-    def replica_log(self, model, value):
-        """A per-replica value equal on all replicas, ready for fit's logs.
+    def train_logs(self, model, metrics, window_logs):
+        """A training step's logs: the metrics', then the window's.
 
-        Keras 3 averages per-replica logs, so the value goes as it is.
+        Args:
+            model: The model.
+            metrics: Dict, the compiled metrics' results (loss included).
+            window_logs: Dict of float32 scalars equal on every replica.
+
+        Keras 3 averages per-replica logs, so they go as they are.
         """
         del model
-        return tf.cast(value, tf.float32)
+        return {**metrics, **window_logs}
 
     # Loss normalizers; rules in `_normalizers`.
 
@@ -729,21 +734,32 @@ class _TfKerasAdapter(_Keras3Adapter):
             1.0,
         )
 
-    def replica_log(self, model, value):
+    def train_logs(self, model, metrics, window_logs):
         # tf_keras *sums* per-replica logs across replicas (its "auto"
-        # reduction outside TPUs); a value equal on every replica is handed
-        # out in equal shares so that the sum is the value.
+        # reduction outside TPUs); it shows the metrics' own results at an
+        # epoch's end only when the step's logs have exactly their keys,
+        # which the window's logs add to. So every float log, equal on every
+        # replica, is handed out in equal shares whose sum is the value; a
+        # share computed in each replica is a per-replica value, so the
+        # single-worker sum counts each share once, as the multi-worker
+        # all-reduce does.
         from tf_keras.src import backend as tf_keras_backend
 
-        value = tf.cast(value, tf.float32)
+        logs = {**metrics, **window_logs}
         reduction = model.distribute_reduction_method
         if reduction == "auto":
             strategy = tf.distribute.get_strategy()
             tpu = tf_keras_backend.is_tpu_strategy(strategy)
             reduction = "first" if tpu else "sum"
-        if reduction == "sum":
-            value = value / tf.cast(_num_replicas(), tf.float32)
-        return value
+        if reduction != "sum" or _num_replicas() == 1:
+            return logs
+
+        def share(value):
+            if tf.is_tensor(value) and value.dtype.is_floating:
+                return value / tf.cast(_num_replicas(), value.dtype)
+            return value
+
+        return {key: share(value) for key, value in logs.items()}
 
     def compiled_loss_terms(self, model, y, y_pred, sample_weight):
         # `compiled_loss` is tf_keras' `LossesContainer`; `_losses` (private)

@@ -312,17 +312,15 @@ class AccumModel(
                 loss_scale=loss_scale,
                 jit_compile=bool(self.jit_compile),
             )
-            logs = _window_logs(self, accumulator, scaling)
+            logs = _window_logs(accumulator, scaling)
         else:
             warnings.warn("The model does not have any trainable weights.")
 
         metrics = ADAPTER.compute_metrics(self, x, y, y_pred, sample_weight)
-        if logs:
-            metrics = dict(metrics)
-            metrics.update(logs)
+        logs = ADAPTER.train_logs(self, metrics, logs)
         # Its own train step, so it reshapes its logs itself (see
         # `MultiWorkerFitWorkarounds`).
-        return ADAPTER.logs_for_replica_reduction(self, metrics)
+        return ADAPTER.logs_for_replica_reduction(self, logs)
 
     def make_train_function(self, force=False):
         # Keras has built the model and the optimizer by now (fit's symbolic
@@ -408,23 +406,17 @@ def training_state(model):
     return model._accum_state
 
 
-def _window_logs(model, accumulator, scaling):
+def _window_logs(accumulator, scaling):
     """What a training step adds to `fit`'s logs about the window."""
     logs = {}
     if accumulator.noise_scale is not None:
-        logs["gradient_noise_scale"] = ADAPTER.replica_log(
-            model, accumulator.noise_scale.b_simple
-        )
+        logs["gradient_noise_scale"] = accumulator.noise_scale.b_simple
     # In every precision: a NaN gradient can come with a finite loss (ReLU
     # on a NaN input), which `TerminateOnNaN` never sees; a callback can
     # stop on this count instead.
-    logs["discarded_windows"] = ADAPTER.replica_log(
-        model, accumulator.discarded_windows
-    )
+    logs["discarded_windows"] = accumulator.discarded_windows
     if scaling:
         # Where non-finite gradients are expected; elsewhere the logs stay
         # those of plain fit.
-        logs["skipped_microbatches"] = ADAPTER.replica_log(
-            model, accumulator.skipped_steps
-        )
-    return logs
+        logs["skipped_microbatches"] = accumulator.skipped_steps
+    return {key: tf.cast(value, tf.float32) for key, value in logs.items()}
