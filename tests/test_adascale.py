@@ -3,6 +3,7 @@
 import itertools
 import os
 import re
+from unittest import mock
 
 import numpy as np
 import tensorflow as tf
@@ -13,7 +14,6 @@ from accum_model import AccumModel
 from accum_model import AdaScale
 from accum_model import GradientAccumulator
 from accum_model import _adascale
-from accum_model._keras import LEGACY
 from accum_model._keras import keras
 from tests import noise_scale_problem as problem
 
@@ -394,8 +394,25 @@ class TrainingTest(tf.test.TestCase, parameterized.TestCase):
         self.assertEqual(int(on.optimizer.iterations), 16)
 
     def test_off_adds_nothing(self):
+        # Every AdaScale function fails if called: off, the step is traced
+        # and trained without any of them.
+        def fail(*args, **kwargs):
+            raise AssertionError("AdaScale code ran while it was off")
+
+        self.enter_context(mock.patch.object(_adascale, "gain", fail))
+        self.enter_context(
+            mock.patch.object(_adascale.AdaScaleState, "__init__", fail)
+        )
+        self.enter_context(
+            mock.patch.object(_adascale, "check_optimizer", fail)
+        )
+        self.enter_context(
+            mock.patch.object(
+                type(_adascale.ADAPTER), "learning_rate_schedule", fail
+            )
+        )
         x, y = problem.data(32)
-        model = _linear_model(accum_steps=2)
+        model = _linear_model(accum_steps=2, noise_scale=True)
         model.compile(keras.optimizers.SGD(0.01), "mse")
         history = model.fit(x, y, batch_size=4, verbose=0)
         for key in ("adascale_gain", "adascale_tau", "adascale_lr"):
@@ -488,8 +505,6 @@ class ResumeTest(tf.test.TestCase, parameterized.TestCase):
         ("keras_file", "m.keras"), ("weights_file", "m.weights.h5")
     )
     def test_resume_mid_window_continues_exactly(self, filename):
-        if LEGACY and filename.endswith(".keras"):
-            self.skipTest("tf_keras saves `.keras` files differently.")
         x, y = problem.data(96)
 
         def make():
