@@ -188,8 +188,7 @@ class AccumModel(
 
         1.0 before any update, None when `adascale` is off.
         """
-        state = self._adascale_state()
-        return None if state is None else float(state.gain)
+        return self._adascale_value("gain", 1.0)
 
     @property
     def adascale_tau(self):
@@ -198,16 +197,15 @@ class AccumModel(
         What a learning-rate schedule is read at, and what to compare with
         the base run's number of updates. None when `adascale` is off.
         """
-        state = self._adascale_state()
-        return None if state is None else float(state.tau)
+        return self._adascale_value("tau", 0.0)
 
-    def _adascale_state(self):
+    def _adascale_value(self, name, before_training):
         if self._adascale is None:
             return None
         accumulator = self.gradient_accumulator
         if accumulator is None:
-            return _adascale.AdaScaleState(self._adascale)
-        return accumulator.adascale
+            return before_training
+        return float(getattr(accumulator.adascale, name))
 
     @property
     def gradient_noise_scale(self):

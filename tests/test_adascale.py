@@ -144,6 +144,9 @@ class AdaScaleConfigTest(tf.test.TestCase, parameterized.TestCase):
         self.assertEqual(config["adascale"], {"base_batch": 8})
         restored = AccumModel.from_config(config)
         self.assertEqual(restored.adascale, AdaScale(8))
+        # Before training: no update yet.
+        self.assertEqual(restored.adascale_gain, 1.0)
+        self.assertEqual(restored.adascale_tau, 0.0)
         self.assertNotIn("adascale", _linear_model().get_config())
 
     def test_accumulate_sets_and_keeps_it(self):
