@@ -458,6 +458,33 @@ class TrainingTest(tf.test.TestCase, parameterized.TestCase):
         self.assertAllClose(model.adascale_tau, sum(taus), rtol=1e-4)
 
 
+class CustomLoopTest(tf.test.TestCase, parameterized.TestCase):
+    @parameterized.named_parameters(("eager", False), ("function", True))
+    def test_one_window_by_hand(self, function):
+        # Two micro-batches of weight 1 at base batch 1 (S = 2): the first
+        # window's own estimate sets the gain.
+        g1, g2 = np.array([3.0, -1.0]), np.array([1.0, 2.0])
+        mean = (g1 + g2) / 2.0
+        trace = g1 @ g1 + g2 @ g2 - 2.0 * (mean @ mean)
+        grad_sq = mean @ mean - trace / 2.0
+        r = _gain_by_hand(trace, grad_sq, 2.0, 1)
+        self.assertBetween(r, 1.0001, 1.9999)
+        variable = tf.Variable([0.0, 0.0])
+        engine = GradientAccumulator(
+            [variable], accum_steps=2, adascale=AdaScale(1)
+        )
+        optimizer = keras.optimizers.SGD(0.1)
+        step = engine.step
+        if function:
+            step = tf.function(step)
+        for g in (g1, g2):
+            step([tf.constant(g, tf.float32)], optimizer, weight=1.0)
+        self.assertAllClose(variable, -0.1 * r * mean, rtol=1e-5)
+        self.assertAllClose(engine.adascale.gain, r, rtol=1e-5)
+        self.assertAllClose(engine.adascale.tau, r, rtol=1e-5)
+        self.assertAllClose(engine.adascale.learning_rate, 0.1 * r, rtol=1e-5)
+
+
 class RefusalTest(tf.test.TestCase, parameterized.TestCase):
     @parameterized.named_parameters(
         ("adam", lambda: keras.optimizers.Adam(0.01), "optimizer=Adam"),
