@@ -20,7 +20,8 @@ Read top to bottom, this module is a micro-batch's path: into the window
 then out of it (the finite check of the window, the mean, the optimizer).
 Keras optimizers of either generation are reached through the adapter
 (`_keras.ADAPTER`); loss-scale rules are in `_mixed_precision`, the
-estimator in `_noise_scale`, the conditionals in `_control_flow`.
+estimator in `_noise_scale`, AdaScale's gain in `_adascale`, the
+conditionals in `_control_flow`.
 """
 
 import tensorflow as tf

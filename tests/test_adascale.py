@@ -320,8 +320,12 @@ def _sgd_by_hand(windows, lr_at, base_batch, momentum, beta):
 
 
 class TrainingTest(tf.test.TestCase, parameterized.TestCase):
-    @parameterized.named_parameters(("fixed", False), ("schedule", True))
-    def test_updates_follow_the_rule_by_hand(self, schedule):
+    @parameterized.named_parameters(
+        ("fixed", False, False),
+        ("schedule", True, False),
+        ("schedule_xla", True, True),
+    )
+    def test_updates_follow_the_rule_by_hand(self, schedule, jit_compile):
         # Momentum SGD, windows of two micro-batches of 8 at base batch 4
         # (S = 4); a schedule is read at tau, not at the update count.
         x, y = problem.data(64)
@@ -347,7 +351,11 @@ class TrainingTest(tf.test.TestCase, parameterized.TestCase):
             noise_scale=accum_model.NoiseScale(beta=beta),
             adascale=AdaScale(4),
         )
-        model.compile(keras.optimizers.SGD(lr, momentum=momentum), "mse")
+        model.compile(
+            keras.optimizers.SGD(lr, momentum=momentum),
+            "mse",
+            jit_compile=jit_compile,
+        )
         history = model.fit(x, y, batch_size=8, shuffle=False, verbose=0)
         self.assertAllClose(model.layers[-1].kernel, kernel, rtol=1e-4)
         self.assertAllClose(model.layers[-1].bias, bias, rtol=1e-4)
