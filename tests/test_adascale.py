@@ -160,6 +160,11 @@ class AdaScaleConfigTest(tf.test.TestCase, parameterized.TestCase):
                 model, 2, noise_scale=accum_model.NoiseScale(every=2)
             )
         self.assertEqual(model.accum_steps, 2)  # Nothing changed.
+        # Round trips bring it back (the config holds it as a dict).
+        restored = keras.models.model_from_json(model.to_json())
+        self.assertEqual(restored.adascale, AdaScale(8))
+        clone = keras.models.clone_model(model)
+        self.assertEqual(clone.adascale, AdaScale(8))
         accum_model.accumulate(model, 2, adascale=None)
         self.assertIsNone(model.adascale)
 
