@@ -4,17 +4,18 @@ The modules, in the order a micro-batch meets them: `_model` (`AccumModel`'s
 `train_step`: forward pass, loss, and the weight from `_normalizers`), then
 `_accumulator` (`GradientAccumulator`, the engine: the micro-batch into the
 window, then the window out through the optimizer; with the rules of
-`_mixed_precision`, `_noise_scale`, `_control_flow`, and the apply hooks of
-`_batchnorm`). Around them: `_epoch_end` (partial windows at epoch ends),
-`_training_state` (what a model saves and warns once), `_construction` and
-`_accumulate` (how models become accumulating), `_plain` (files for Keras
-alone), `_multi_worker`, `_resume`,
-`_warmup`, `_validation`, and `_keras`, the one place Keras 3 and tf_keras
-differ (docs/README.md has the table).
+`_mixed_precision`, `_noise_scale`, `_adascale`, `_control_flow`, and the
+apply hooks of `_batchnorm`). Around them: `_epoch_end` (partial windows at
+epoch ends), `_training_state` (what a model saves and warns once),
+`_construction` and `_accumulate` (how models become accumulating), `_plain`
+(files for Keras alone), `_multi_worker`, `_resume`, `_warmup`,
+`_validation`, and `_keras`, the one place Keras 3 and tf_keras differ
+(docs/README.md has the table).
 """
 
 from accum_model._accumulate import accumulate
 from accum_model._accumulator import GradientAccumulator
+from accum_model._adascale import AdaScale
 from accum_model._batchnorm import AccumBatchNormalization
 from accum_model._batchnorm import replace_batchnorm
 from accum_model._model import AccumModel
@@ -27,6 +28,7 @@ __all__ = [
     "AccumBatchNormalization",
     "AccumModel",
     "AccumStepsWarmup",
+    "AdaScale",
     "GradientAccumulator",
     "NoiseScale",
     "ResumableBackup",

@@ -9,6 +9,7 @@ such a model back accumulating.
 
 import warnings
 
+from accum_model import _adascale
 from accum_model import _construction
 from accum_model import _keras
 from accum_model import _noise_scale
@@ -25,7 +26,13 @@ keras = _keras.keras
 _UNSET = _construction.UNSET
 
 
-def accumulate(model, accum_steps, epoch_end=_UNSET, noise_scale=_UNSET):
+def accumulate(
+    model,
+    accum_steps,
+    epoch_end=_UNSET,
+    noise_scale=_UNSET,
+    adascale=_UNSET,
+):
     """Makes an existing Keras model accumulate gradients, in place.
 
     The one line for a model you did not write: a `keras.Sequential`, a
@@ -72,6 +79,10 @@ def accumulate(model, accum_steps, epoch_end=_UNSET, noise_scale=_UNSET):
             gradient noise scale of the windows, as `AccumModel` does
             (`logs["gradient_noise_scale"]`, docs/noise_scale.md). It can
             change only before the model's first training step.
+        adascale: None (the default: off, or unchanged on a model that
+            already accumulates) or an `accum_model.AdaScale(base_batch)`:
+            AdaScale SGD, as `AccumModel` applies it (docs/adascale.md).
+            It can change only before the model's first training step.
 
     Returns:
         `model` itself.
@@ -80,8 +91,9 @@ def accumulate(model, accum_steps, epoch_end=_UNSET, noise_scale=_UNSET):
         TypeError: If `model` is not a `keras.Model` instance, or
             `noise_scale` is not one of the above.
         ValueError: If `accum_steps` or `epoch_end` is invalid, if
-            `noise_scale` changes on a model that has trained, or if Keras
-            does not run on TensorFlow.
+            `noise_scale` or `adascale` changes on a model that has trained,
+            if `adascale` is on with `noise_scale` measuring less often
+            than every window, or if Keras does not run on TensorFlow.
     """
     if not isinstance(model, keras.Model):
         raise TypeError(
@@ -93,9 +105,26 @@ def accumulate(model, accum_steps, epoch_end=_UNSET, noise_scale=_UNSET):
     if epoch_end is not _UNSET:
         epoch_end = check_epoch_end(epoch_end)
     if isinstance(model, AccumModel):
-        if noise_scale is not _UNSET:
-            # Checked first: nothing changes when it is refused.
-            model.noise_scale = noise_scale
+        new_noise = (
+            model.noise_scale
+            if noise_scale is _UNSET
+            else _noise_scale.as_config(noise_scale)
+        )
+        new_adascale = (
+            model.adascale
+            if adascale is _UNSET
+            else _adascale.as_config(adascale)
+        )
+        # Checked first: nothing changes when either is refused.
+        _adascale.measurement_for(new_adascale, new_noise)
+        if model.gradient_accumulator is not None and (
+            new_noise != model.noise_scale or new_adascale != model.adascale
+        ):
+            model.noise_scale = new_noise
+            model.adascale = new_adascale
+        # Both are compatible here, whichever goes first.
+        model._noise_scale = new_noise
+        model._adascale = new_adascale
         model.accum_steps = accum_steps
         if epoch_end is not _UNSET:
             model.epoch_end = epoch_end
@@ -105,8 +134,10 @@ def accumulate(model, accum_steps, epoch_end=_UNSET, noise_scale=_UNSET):
     noise_scale = _noise_scale.as_config(
         None if noise_scale is _UNSET else noise_scale
     )
+    adascale = _adascale.as_config(None if adascale is _UNSET else adascale)
+    _adascale.measurement_for(adascale, noise_scale)
     model.__class__ = _accumulating_class(type(model))
-    init_accumulation(model, accum_steps, epoch_end, noise_scale)
+    init_accumulation(model, accum_steps, epoch_end, noise_scale, adascale)
     # Traced with the class's own `train_step`; `fit` makes a new one.
     model.train_function = None
     return model
@@ -231,6 +262,7 @@ def _clone_hook(model, clone):
         clone.accum_steps = model.accum_steps
         clone.epoch_end = model.epoch_end
         clone.noise_scale = model.noise_scale
+        clone.adascale = model.adascale
         return clone
     if not isinstance(clone, base):
         warnings.warn(
@@ -244,7 +276,11 @@ def _clone_hook(model, clone):
             stacklevel=4,
         )
     return accumulate(
-        clone, model.accum_steps, model.epoch_end, model.noise_scale
+        clone,
+        model.accum_steps,
+        model.epoch_end,
+        model.noise_scale,
+        model.adascale,
     )
 
 

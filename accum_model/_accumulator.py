@@ -20,11 +20,13 @@ Read top to bottom, this module is a micro-batch's path: into the window
 then out of it (the finite check of the window, the mean, the optimizer).
 Keras optimizers of either generation are reached through the adapter
 (`_keras.ADAPTER`); loss-scale rules are in `_mixed_precision`, the
-estimator in `_noise_scale`, the conditionals in `_control_flow`.
+estimator in `_noise_scale`, AdaScale's gain in `_adascale`, the
+conditionals in `_control_flow`.
 """
 
 import tensorflow as tf
 
+from accum_model import _adascale
 from accum_model import _control_flow
 from accum_model import _keras
 from accum_model import _mixed_precision
@@ -87,16 +89,33 @@ class GradientAccumulator(tf.Module):
             `accum_model.NoiseScale(every=..., beta=...)`: measure the
             gradient noise scale of the windows, read from the
             `noise_scale` property (see docs/noise_scale.md).
+        adascale: None (default) or an `accum_model.AdaScale(base_batch)`:
+            multiply each update's learning rate by the AdaScale gain of
+            its window (SGD only; see docs/adascale.md). Turns the noise
+            scale on with its defaults when `noise_scale` is off.
         name: Optional name of the module.
 
     Raises:
-        ValueError: If `accum_steps` is not an integer >= 1.
-        TypeError: If `noise_scale` is not a bool, a `NoiseScale` or a dict.
+        ValueError: If `accum_steps` is not an integer >= 1, or if
+            `adascale` is on and `noise_scale` measures less often than
+            every window.
+        TypeError: If `noise_scale` is not a bool, a `NoiseScale` or a dict,
+            or `adascale` not an `AdaScale`, a dict or None.
     """
 
-    def __init__(self, variables, accum_steps=1, noise_scale=False, name=None):
+    def __init__(
+        self,
+        variables,
+        accum_steps=1,
+        noise_scale=False,
+        name=None,
+        adascale=None,
+    ):
         accum_steps = check_accum_steps(accum_steps)
-        noise_scale = _noise_scale.as_config(noise_scale)
+        adascale = _adascale.as_config(adascale)
+        noise_scale = _adascale.measurement_for(
+            adascale, _noise_scale.as_config(noise_scale)
+        )
         variables = list(variables)
         super().__init__(name=name or "gradient_accumulator")
         self._variables = variables
@@ -136,6 +155,9 @@ class GradientAccumulator(tf.Module):
                 self._noise_scale = _noise_scale.NoiseScaleEstimator(
                     noise_scale
                 )
+            self._adascale = None
+            if adascale is not None:
+                self._adascale = _adascale.AdaScaleState(adascale)
         # Variables of the apply hooks' own windows (`add_apply_hook`).
         self._hook_variables = []
 
@@ -170,6 +192,8 @@ class GradientAccumulator(tf.Module):
         if noise is not None:
             # The estimator's own window sums are already listed.
             lifetime += noise.state_variables[len(noise.window_variables) :]
+        if self._adascale is not None:
+            lifetime += self._adascale.state_variables
         return (
             self.window_variables
             + [self._window_steps]
@@ -247,6 +271,28 @@ class GradientAccumulator(tf.Module):
         """
         return self._noise_scale
 
+    @property
+    def adascale(self):
+        """The AdaScale state, or None when off.
+
+        Its tensors `tau` (scale-invariant iterations), `gain` and
+        `learning_rate` (of the last update). See docs/adascale.md.
+        """
+        return self._adascale
+
+    def check_optimizer(self, optimizer):
+        """Raises if `optimizer` cannot apply this engine's windows.
+
+        With AdaScale on, only Keras' SGD can (see `AdaScale`); called by
+        `step` and `apply` when they are traced, and by `AccumModel` before
+        its train function is built.
+
+        Raises:
+            ValueError: As `accum_model.AdaScale`'s optimizer check.
+        """
+        if self._adascale is not None:
+            self._adascale.check(optimizer)
+
     def add_apply_hook(self, fn, state=()):
         """Registers `fn()` to run inside the branch that applies a window.
 
@@ -306,6 +352,8 @@ class GradientAccumulator(tf.Module):
                 the step is traced.
         """
         xla = _resolve_xla(jit_compile)
+        # Before anything of the micro-batch runs.
+        self.check_optimizer(optimizer)
         self.accumulate(
             grads,
             weight,
@@ -418,6 +466,7 @@ class GradientAccumulator(tf.Module):
         Returns:
             A bool scalar tensor: whether a window was closed.
         """
+        self.check_optimizer(optimizer)
         return self._close_if(
             self._micro_step > 0, optimizer, _resolve_xla(jit_compile)
         )
@@ -633,6 +682,12 @@ class GradientAccumulator(tf.Module):
             # No step of this engine, nor the state it was restored from, has
             # given a gradient: nothing was accumulated that could apply.
             return
+        if self._adascale is not None:
+            # The gain is a learning-rate multiplier; for SGD (the only
+            # optimizer allowed) it is the same on the gradient.
+            inverse = inverse * self._adascale.factor(
+                noise, weight_sum, optimizer
+            )
         grads = [
             tf.cast(acc * inverse, v.dtype) if received else None
             for acc, v, received in zip(

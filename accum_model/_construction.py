@@ -18,9 +18,14 @@ ADAPTER = _keras.ADAPTER
 keras = _keras.keras
 
 # The constructor arguments `AccumModel` adds to a Keras model's.
-ARGUMENTS = ("accum_steps", "epoch_end", "noise_scale")
+ARGUMENTS = ("accum_steps", "epoch_end", "noise_scale", "adascale")
 UNSET = type("Unset", (), {"__repr__": lambda self: "<default>"})()
-_DEFAULTS = {"accum_steps": 1, "epoch_end": "apply", "noise_scale": False}
+_DEFAULTS = {
+    "accum_steps": 1,
+    "epoch_end": "apply",
+    "noise_scale": False,
+    "adascale": None,
+}
 # On the classes `accumulate` makes: the class each was made from.
 _BASE = "_accum_base"
 
@@ -153,6 +158,8 @@ def accumulation_config(model):
     config = dict(accum_steps=model.accum_steps, epoch_end=model.epoch_end)
     if model.noise_scale is not None:
         config["noise_scale"] = model.noise_scale.get_config()
+    if model.adascale is not None:
+        config["adascale"] = model.adascale.get_config()
     return config
 
 

@@ -386,6 +386,28 @@ class _Keras3Adapter:
     def optimizer_built(self, optimizer):
         return optimizer.built
 
+    def is_sgd(self, optimizer):
+        """Whether `optimizer` is exactly Keras' SGD (not a subclass).
+
+        A subclass may change the update, which AdaScale's rule assumes.
+        """
+        return type(optimizer) is keras.optimizers.SGD
+
+    def learning_rate_schedule(self, optimizer):
+        """The optimizer's `LearningRateSchedule`, or None for a fixed rate.
+
+        `_learning_rate` (private) is where Keras optimizers of both
+        generations keep what `learning_rate=` received; the public
+        `learning_rate` reads a schedule only at the optimizer's own step.
+        """
+        schedule = getattr(optimizer, "_learning_rate", None)
+        schedules = keras.optimizers.schedules.LearningRateSchedule
+        return schedule if isinstance(schedule, schedules) else None
+
+    def learning_rate(self, optimizer):
+        """Tensor: the fixed learning rate of an optimizer without schedule."""
+        return tf.convert_to_tensor(optimizer.learning_rate)
+
     def build_optimizer(self, optimizer, variables):
         if not self.optimizer_built(optimizer):
             optimizer.build(variables)

@@ -12,6 +12,7 @@ import weakref
 
 import tensorflow as tf
 
+from accum_model import _adascale
 from accum_model import _construction
 from accum_model import _epoch_end
 from accum_model import _keras
@@ -67,12 +68,24 @@ class AccumModel(
             `accum_model.NoiseScale(every=..., beta=...)`: measure the
             gradient noise scale `B_simple` of the windows and log it as
             `logs["gradient_noise_scale"]` (see docs/noise_scale.md).
+        adascale: None (default) or an `accum_model.AdaScale(base_batch=...)`:
+            AdaScale SGD. Each update's learning rate is multiplied by the
+            gain `r` (between 1 and the window's weight over `base_batch`)
+            measured from the windows' gradient noise, and a learning-rate
+            schedule is read at the scale-invariant iteration `tau`; logs
+            `adascale_gain`, `adascale_tau` and `adascale_lr` (see
+            docs/adascale.md). Turns `noise_scale` on with its defaults when
+            it is off. The compiled optimizer must be `SGD`.
         **kwargs: Passed to `tf.keras.Model` (e.g. `name`).
 
     Raises:
         ValueError: If `accum_steps` is not an integer >= 1, if `epoch_end` is
-            not a known mode, or if Keras does not run on TensorFlow.
-        TypeError: If `noise_scale` is not one of the above.
+            not a known mode, if `adascale` is on with `noise_scale` measuring
+            less often than every window, or if Keras does not run on
+            TensorFlow. With `adascale`, when the train function is built
+            with an optimizer other than SGD, or SGD with `weight_decay` or
+            gradient clipping.
+        TypeError: If `noise_scale` or `adascale` is not one of the above.
     """
 
     _keeps_own_bases = True
@@ -83,21 +96,26 @@ class AccumModel(
         accum_steps=UNSET,
         epoch_end=UNSET,
         noise_scale=UNSET,
+        adascale=UNSET,
         **kwargs,
     ):
-        accum_steps, epoch_end, noise_scale = _construction.resolve_arguments(
-            self, accum_steps, epoch_end, noise_scale
+        accum_steps, epoch_end, noise_scale, adascale = (
+            _construction.resolve_arguments(
+                self, accum_steps, epoch_end, noise_scale, adascale
+            )
         )
         ADAPTER.check_backend()
         accum_steps = check_accum_steps(accum_steps)
         epoch_end = check_epoch_end(epoch_end)
         noise_scale = _noise_scale.as_config(noise_scale)
+        adascale = _adascale.as_config(adascale)
+        _adascale.measurement_for(adascale, noise_scale)
         if ADAPTER.is_functional_call(args, kwargs):
             _construction.init_functional(self, args, kwargs)
         else:
             self.__class__ = ADAPTER.non_functional_base(type(self))
             super().__init__(*args, **kwargs)
-        init_accumulation(self, accum_steps, epoch_end, noise_scale)
+        init_accumulation(self, accum_steps, epoch_end, noise_scale, adascale)
 
     # Configuration
 
@@ -134,6 +152,7 @@ class AccumModel(
     @noise_scale.setter
     def noise_scale(self, value):
         value = _noise_scale.as_config(value)
+        _adascale.measurement_for(self._adascale, value)
         if value != self._noise_scale and self.gradient_accumulator is not None:
             raise ValueError(
                 "`noise_scale` can only be set before the model is trained "
@@ -141,6 +160,52 @@ class AccumModel(
                 f"noise_scale={value!r} after training started"
             )
         self._noise_scale = value
+
+    @property
+    def adascale(self):
+        """The `AdaScale` applied, or None (off).
+
+        Settable before the first training step only (the gain is part of
+        the compiled step).
+        """
+        return self._adascale
+
+    @adascale.setter
+    def adascale(self, value):
+        value = _adascale.as_config(value)
+        _adascale.measurement_for(value, self._noise_scale)
+        if value != self._adascale and self.gradient_accumulator is not None:
+            raise ValueError(
+                "`adascale` can only be set before the model is trained "
+                "(it is part of the compiled training step). Received: "
+                f"adascale={value!r} after training started"
+            )
+        self._adascale = value
+
+    @property
+    def adascale_gain(self):
+        """Float: the AdaScale gain `r` of the last update.
+
+        1.0 before any update, None when `adascale` is off.
+        """
+        return self._adascale_value("gain", 1.0)
+
+    @property
+    def adascale_tau(self):
+        """Float: AdaScale's scale-invariant iterations, `sum(r)` so far.
+
+        What a learning-rate schedule is read at, and what to compare with
+        the base run's number of updates. None when `adascale` is off.
+        """
+        return self._adascale_value("tau", 0.0)
+
+    def _adascale_value(self, name, before_training):
+        if self._adascale is None:
+            return None
+        accumulator = self.gradient_accumulator
+        if accumulator is None:
+            return before_training
+        return float(getattr(accumulator.adascale, name))
 
     @property
     def gradient_noise_scale(self):
@@ -199,8 +264,9 @@ class AccumModel(
         model, arguments = _construction.from_config(
             super().from_config, config, custom_objects
         )
-        # `noise_scale` first: it can only be set before training.
-        for name in ("noise_scale", "accum_steps", "epoch_end"):
+        # `noise_scale` and `adascale` first: they can only be set before
+        # training.
+        for name in ("noise_scale", "adascale", "accum_steps", "epoch_end"):
             if name in arguments:
                 setattr(model, name, arguments[name])
         return model
@@ -384,7 +450,9 @@ class AccumModel(
 AccumModel = ADAPTER.register_serializable(AccumModel)
 
 
-def init_accumulation(model, accum_steps, epoch_end, noise_scale=None):
+def init_accumulation(
+    model, accum_steps, epoch_end, noise_scale=None, adascale=None
+):
     """Gives `model` what `AccumModel.__init__` gives one (for `accumulate`).
 
     Args:
@@ -392,10 +460,12 @@ def init_accumulation(model, accum_steps, epoch_end, noise_scale=None):
         accum_steps: Int >= 1, checked.
         epoch_end: Str, checked.
         noise_scale: A `NoiseScale`, or None.
+        adascale: An `AdaScale`, or None; checked against `noise_scale`.
     """
     model._accum_steps = accum_steps
     model._epoch_end = epoch_end
     model._noise_scale = noise_scale
+    model._adascale = adascale
     model._accum_state = TrainingState(model)
     model._flush_function = None
     model._flush_accumulator = lambda: None
@@ -414,6 +484,11 @@ def _window_logs(accumulator, scaling):
     # In every precision: a NaN gradient can come with a finite loss (ReLU
     # on a NaN input), which `TerminateOnNaN` never sees; a callback can
     # stop on this count instead.
+    adascale = accumulator.adascale
+    if adascale is not None:
+        logs["adascale_gain"] = adascale.gain
+        logs["adascale_tau"] = adascale.tau
+        logs["adascale_lr"] = adascale.learning_rate
     logs["discarded_windows"] = accumulator.discarded_windows
     if scaling:
         # Where non-finite gradients are expected; elsewhere the logs stay

@@ -12,6 +12,7 @@ import weakref
 
 import tensorflow as tf
 
+from accum_model import _adascale
 from accum_model import _keras
 from accum_model._accumulator import GradientAccumulator
 
@@ -73,6 +74,9 @@ class TrainingState(ADAPTER.saveable_base):
                 with tf.init_scope(), model.distribute_strategy.scope():
                     ADAPTER.build_optimizer(model.optimizer, variables)
             return self.accumulator
+        if model.adascale is not None and model.optimizer is not None:
+            # Before any variable is created or changed.
+            _adascale.check_optimizer(model.optimizer)
         with tf.init_scope():
             if (
                 self.accumulator is not None
@@ -89,6 +93,7 @@ class TrainingState(ADAPTER.saveable_base):
                     variables,
                     accum_steps=model.accum_steps,
                     noise_scale=model.noise_scale,
+                    adascale=model.adascale,
                     name="accumulation",
                 )
                 if model.optimizer is not None and variables:

@@ -40,6 +40,10 @@ With `--noise_scale_every=1,8` it adds a contender per value k,
 `accum_gns_k<k>`: `AccumModel(accum_steps=N, noise_scale=NoiseScale(every=k))`,
 the gradient noise scale measured every k-th window, and the ratio
 accum_gns_k<k> / accum (its own table, `--contenders` keeps a run short).
+With `--adascale` (SGD only: AdaScale refuses AdamW) it adds
+`accum_adascale`: `AccumModel(accum_steps=N, adascale=AdaScale(B))`, whose
+ratio to `accum_gns_k1` (when `--noise_scale_every` holds 1) is what the
+gain costs on top of the measurement it needs.
 
 It also reports the accumulator's memory (every state variable of the
 engine, in bytes, against the bytes of the trainable weights), the number of
@@ -141,6 +145,12 @@ _NOISE_SCALE_EVERY = flags.DEFINE_list(
     [],
     "For each k, a contender accum_gns_k<k> measuring the gradient noise "
     "scale every k-th window.",
+)
+_ADASCALE = flags.DEFINE_bool(
+    "adascale",
+    False,
+    "With the SGD optimizer, a contender accum_adascale: AdaScale at base "
+    "batch B (it turns on the noise scale, measured every window).",
 )
 _CONTENDERS = flags.DEFINE_list(
     "contenders",
@@ -366,19 +376,30 @@ class _Contender:
         return tuple(b - a for a, b in zip(self.timer.start, self.timer.end))
 
 
-def _contender_names(only=(), noise_scale_every=()):
+def _contender_names(only=(), noise_scale_every=(), adascale=False):
     names = [c for c in CONTENDERS if not (c == "builtin" and TF_KERAS)]
     if only:
         names = [c for c in names if c in only or c == "accum"]
-    return names + [f"accum_gns_k{int(k)}" for k in noise_scale_every]
+    names += [f"accum_gns_k{int(k)}" for k in noise_scale_every]
+    return names + (["accum_adascale"] if adascale else [])
 
 
 def _build_contenders(
-    workload, optimizer, micro, n, quick, samples, only=(), noise_scale_every=()
+    workload,
+    optimizer,
+    micro,
+    n,
+    quick,
+    samples,
+    only=(),
+    noise_scale_every=(),
+    adascale=False,
 ):
     builder = _BUILDERS[workload]
     contenders = []
-    for name in _contender_names(only, noise_scale_every):
+    # AdaScale refuses every optimizer but SGD.
+    adascale = adascale and optimizer == "sgd"
+    for name in _contender_names(only, noise_scale_every, adascale):
         keras.utils.set_random_seed(0)
         inputs, outputs, x, y = builder(quick, samples)
         if name in ("accum", "accum_again"):
@@ -390,6 +411,14 @@ def _build_contenders(
                 {
                     "accum_steps": n,
                     "noise_scale": accum_model.NoiseScale(every=every),
+                },
+            )
+        elif name == "accum_adascale":
+            cls, kwargs = (
+                _counting(AccumModel),
+                {
+                    "accum_steps": n,
+                    "adascale": accum_model.AdaScale(base_batch=micro),
                 },
             )
         elif name == "floor":
@@ -473,11 +502,20 @@ def run_one(
     clock="wall",
     only=(),
     noise_scale_every=(),
+    adascale=False,
 ):
     """Times the contenders on one workload; returns a result dict."""
     samples = max(8 * micro * n, 512 if not quick else 0)
     contenders = _build_contenders(
-        workload, optimizer, micro, n, quick, samples, only, noise_scale_every
+        workload,
+        optimizer,
+        micro,
+        n,
+        quick,
+        samples,
+        only,
+        noise_scale_every,
+        adascale,
     )
     by_name = {c.name: c for c in contenders}
 
@@ -586,6 +624,20 @@ def run_one(
                 "b_simple": float(estimator.b_simple),
                 "state_bytes": _state_bytes(estimator.state_variables),
             }
+    if "accum_adascale" in by_name:
+        model = by_name["accum_adascale"].model
+        result["adascale"] = {
+            "ratio_to_accum": ratio("accum_adascale", "accum"),
+            "ratio_to_gns_k1": (
+                ratio("accum_adascale", "accum_gns_k1")
+                if "accum_gns_k1" in rates
+                else None
+            ),
+            "gain": model.adascale_gain,
+            "state_bytes": _state_bytes(
+                model.gradient_accumulator.adascale.state_variables
+            ),
+        }
     return result
 
 
@@ -668,6 +720,26 @@ def format_noise_table(results):
     return "\n".join(lines)
 
 
+def format_adascale_table(results):
+    """The AdaScale contender's rates over accum's and accum_gns_k1's."""
+    lines = [
+        "| workload | optimizer | adascale / accum | adascale / gns_k1 | "
+        "A/A: accum / accum_again |",
+        "|---" * 5 + "|",
+    ]
+    for r in results:
+        if "adascale" not in r:
+            continue
+        v = r["adascale"]
+        lines.append(
+            f"| {r['workload']} | {r['optimizer']} | "
+            f"{_fmt_ratio(v['ratio_to_accum'])} | "
+            f"{_fmt_ratio(v['ratio_to_gns_k1'])} | "
+            f"{_fmt_ratio(r['ratios'].get('accum/accum_again'))} |"
+        )
+    return "\n".join(lines)
+
+
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError("Too many command-line arguments.")
@@ -721,6 +793,7 @@ def main(argv):
                 _CLOCK.value,
                 _CONTENDERS.value,
                 _NOISE_SCALE_EVERY.value,
+                _ADASCALE.value,
             )
             results.append(result)
             print(
@@ -737,6 +810,9 @@ def main(argv):
         print()
     if _NOISE_SCALE_EVERY.value:
         print(format_noise_table(results))
+        print()
+    if _ADASCALE.value:
+        print(format_adascale_table(results))
         print()
     device = (
         _DEVICE.value != "cpu" and ", ".join(info["gpus"])
@@ -765,7 +841,9 @@ def main(argv):
                         "quick": quick,
                     },
                     "contenders": _contender_names(
-                        _CONTENDERS.value, _NOISE_SCALE_EVERY.value
+                        _CONTENDERS.value,
+                        _NOISE_SCALE_EVERY.value,
+                        _ADASCALE.value,
                     ),
                     "results": results,
                 },

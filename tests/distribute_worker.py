@@ -312,9 +312,11 @@ def _noise_scale_case(strategy, case):
     """AccumModel(noise_scale=True) at frozen weights on the exact problem.
 
     Reports each window's raw estimates (tests/noise_scale_problem.py has
-    the population values they must average to).
+    the population values they must average to); with `case["adascale"]`
+    (a base batch) also AdaScale's gain after each window.
     """
     from accum_model import AccumModel
+    from accum_model import AdaScale
     from accum_model._keras import keras
     from tests import allreduce_counter
     from tests import noise_scale_problem as problem
@@ -333,10 +335,13 @@ def _noise_scale_case(strategy, case):
             outputs=outputs,
             accum_steps=case["steps"],
             noise_scale=True,
+            adascale=(
+                AdaScale(case["adascale"]) if case.get("adascale") else None
+            ),
         )
         model.set_weights([kernel, bias])
         model.compile(keras.optimizers.SGD(learning_rate=0.0), "mse")
-    trace, grad_sq = [], []
+    trace, grad_sq, gains = [], [], []
 
     class Recorder(keras.callbacks.Callback):
         seen = 0
@@ -347,6 +352,8 @@ def _noise_scale_case(strategy, case):
                 Recorder.seen = estimator.measurements
                 trace.append(float(estimator.last_trace_sigma))
                 grad_sq.append(float(estimator.last_grad_sq_norm))
+                if self.model.adascale is not None:
+                    gains.append(self.model.adascale_gain)
 
     allreduce_counter.reset()
     history = model.fit(
@@ -366,6 +373,11 @@ def _noise_scale_case(strategy, case):
         "micro_batch_weight": float(estimator.micro_batch_weight),
         "logged": [float(v) for v in history.history["gradient_noise_scale"]],
         "b_simple": float(estimator.b_simple),
+        "gains": gains,
+        "logged_gain": [
+            float(v) for v in history.history.get("adascale_gain", [])
+        ],
+        "tau": model.adascale_tau,
         "iterations": int(model.optimizer.iterations.numpy()),
         "allreduces": allreduce_counter.records(),
         "num_variables": len(model.trainable_variables),

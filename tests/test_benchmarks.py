@@ -159,6 +159,28 @@ class BenchFitNoiseScaleTest(tf.test.TestCase):
             r["noise_scale"]["accum_gns_k3"]["measurements"],
         )
 
+    def test_adascale_contender_only_with_sgd(self):
+        result, path = _run_bench_fit(
+            "--workloads=mlp",
+            "--optimizers=sgd,adamw",
+            "--contenders=accum",
+            "--noise_scale_every=1",
+            "--adascale",
+        )
+        self.assertEqual(result.returncode, 0, result.stderr[-3000:])
+        with open(path) as f:
+            sgd, adamw = json.load(f)["results"]
+        self.assertIn("accum_adascale", sgd["samples_per_second"])
+        self.assertNotIn("accum_adascale", adamw["samples_per_second"])
+        self.assertNotIn("adascale", adamw)
+        entry = sgd["adascale"]
+        self.assertGreater(entry["ratio_to_gns_k1"]["median"], 0)
+        # The quick run's windows are 2 micro-batches of B = base batch.
+        self.assertBetween(entry["gain"], 1.0, 2.0)
+        # tau, the gain and the learning rate: three scalars.
+        self.assertEqual(entry["state_bytes"], 8 + 4 + 4)
+        self.assertIn("| mlp | sgd |", result.stdout)
+
 
 class BenchMemoryTest(tf.test.TestCase):
     @unittest.skipIf(tu.TF_KERAS, "keras-hub needs Keras 3")

@@ -143,6 +143,14 @@ _NOISE_SCALE_CASES = {
     "noise_scale_frozen": dict(
         kind="noise_scale", micro=4, steps=4, windows=_NOISE_SCALE_WINDOWS
     ),
+    # The same with AdaScale at base batch 8: windows of 32 global samples.
+    "adascale_frozen": dict(
+        kind="noise_scale",
+        micro=4,
+        steps=4,
+        windows=_NOISE_SCALE_WINDOWS,
+        adascale=8,
+    ),
 }
 _LOOP_CASES = {
     "loop_momentum": dict(
@@ -164,9 +172,8 @@ def _cases(multi_worker):
     if multi_worker:
         # The estimate's statistics are checked under MirroredStrategy; the
         # workers check how it crosses them, on a tenth of the windows.
-        cases["noise_scale_frozen"] = dict(
-            cases["noise_scale_frozen"], windows=_NOISE_SCALE_WINDOWS // 10
-        )
+        for name in ("noise_scale_frozen", "adascale_frozen"):
+            cases[name] = dict(cases[name], windows=_NOISE_SCALE_WINDOWS // 10)
     if multi_worker and not tu.TF_KERAS:
         cases.update(_WORKAROUND_CASES)
     return [dict(case, name=name) for name, case in cases.items()]
@@ -510,6 +517,34 @@ class _DistributeTestBase(tf.test.TestCase, parameterized.TestCase):
         # The estimate rides the weight sum's all-reduce: one vector of
         # 5 float32 per update (the other scalars crossing replicas are
         # Keras' per-step logs under MultiWorkerMirroredStrategy).
+        records = [tuple(r) for r in result["allreduces"]]
+        self.assertEqual(records.count((1, 20)), result["iterations"])
+
+    def test_adascale_gain_is_the_population_gain(self):
+        # The gain uses the global window weight (2 replicas x 4 x 4 = 32
+        # samples) against the base batch of 8, and the estimate combined
+        # over replicas.
+        result = self._result("adascale_frozen")
+        gains = result["gains"]
+        if self.workers == 1:
+            x, y = noise_scale_problem.data()
+            kernel, bias = noise_scale_problem.frozen_weights()
+            grad_sq, trace, _ = noise_scale_problem.population(
+                x, y, kernel, bias
+            )
+            expected = (trace / 8 + grad_sq) / (trace / 32 + grad_sq)
+            self.assertLen(gains, _NOISE_SCALE_WINDOWS)
+            self.assertAllClose(
+                np.mean(gains[_NOISE_SCALE_WINDOWS // 2 :]),
+                expected,
+                rtol=0.03,
+            )
+        else:
+            self.assertLen(gains, _NOISE_SCALE_WINDOWS // 10)
+        # Logged equal on every replica (not summed, not halved).
+        self.assertAllClose(result["logged_gain"][-1], gains[-1], rtol=1e-6)
+        self.assertAllClose(result["tau"], np.sum(gains), rtol=1e-6)
+        # No collective of its own: the estimate's all-reduce is all.
         records = [tuple(r) for r in result["allreduces"]]
         self.assertEqual(records.count((1, 20)), result["iterations"])
 

@@ -137,5 +137,41 @@ class NoiseScaleExampleTest(tf.test.TestCase):
             )
 
 
+class AdaScaleExampleTest(tf.test.TestCase):
+    def test_prints_every_run_and_adascale_reaches_the_base_tau(self):
+        base_updates, scales = 64, (2, 4)
+        result = _run_example(
+            "adascale.py",
+            f"--base_updates={base_updates}",
+            "--scales=" + ",".join(str(n) for n in scales),
+            "--eval_samples=256",
+            "--width=8",
+        )
+        self.assertEqual(result.returncode, 0, result.stderr[-3000:])
+        rows = {}
+        for line in result.stdout.splitlines():
+            name = line[:14].strip()
+            if name == "base" or name.startswith(("linear x", "adascale x")):
+                rows[name] = line[14:].split()
+        self.assertLen(rows, 1 + 2 * len(scales))
+        base_samples = base_updates * 16
+        self.assertEqual(int(rows["base"][-3]), base_updates)
+        self.assertEqual(int(rows["base"][-2]), base_samples)
+        for n in scales:
+            linear, ada = rows[f"linear x{n}"], rows[f"adascale x{n}"]
+            # Linear scaling: the base's samples in N times fewer updates.
+            self.assertEqual(int(linear[-3]), base_updates // n)
+            self.assertEqual(int(linear[-2]), base_samples)
+            updates, samples, gain = int(ada[-4]), int(ada[-3]), float(ada[-2])
+            self.assertEqual(samples, updates * 16 * n)
+            self.assertBetween(gain, 1.0, n)
+            # It stopped at the first update that took tau (updates times
+            # the mean gain, printed to 0.01) to the base's update count;
+            # that update's gain was at most N.
+            tau, rounding = updates * gain, updates * 0.005
+            self.assertGreaterEqual(tau, base_updates - rounding)
+            self.assertLess(tau, base_updates + n + rounding)
+
+
 if __name__ == "__main__":
     tf.test.main()
