@@ -53,7 +53,8 @@ class AccumStepsWarmup(_keras.ADAPTER.callback_base):
     retrace: the window length is a variable of the compiled step), by one
     of two rules:
 
-    - **Noise scale** (default): needs `AccumModel(noise_scale=...)`. After
+    - **Noise scale** (default): needs `AccumModel(noise_scale=...)` (or
+      `adascale=...`, which turns the measurement on). After
       each window, the target is `factor * B_simple / micro_batch`, where
       `B_simple` is the measured simple gradient noise scale and
       `micro_batch` the normalizer of one global micro-batch (both in the
@@ -175,20 +176,28 @@ class AccumStepsWarmup(_keras.ADAPTER.callback_base):
                 "`AccumStepsWarmup` needs an `AccumModel`. Received: a "
                 f"{type(self.model).__name__}"
             )
-        if self.double_at is None and self._estimator() is None:
+        if self.double_at is None and not self._measures():
             raise ValueError(
                 "The noise-scale rule of `AccumStepsWarmup` needs the "
                 "measurement: build the model with "
-                "`AccumModel(..., noise_scale=True)`, or pass `double_at`. "
-                "Received: a model without it"
+                "`AccumModel(..., noise_scale=True)` (or `adascale=`, which "
+                "measures it), or pass `double_at`. Received: a model "
+                "without it"
             )
         if self._initial is None:
             self._initial = self.model.accum_steps
         self._last_iterations = self._iterations()
 
+    def _measures(self):
+        # AdaScale turns the measurement on in the engine without setting
+        # `noise_scale`.
+        return (
+            getattr(self.model, "noise_scale", None) is not None
+            or getattr(self.model, "adascale", None) is not None
+        )
+
     def _estimator(self):
-        config = getattr(self.model, "noise_scale", None)
-        if config is None:
+        if not self._measures():
             return None
         accumulator = self.model.gradient_accumulator
         return None if accumulator is None else accumulator.noise_scale

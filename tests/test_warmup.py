@@ -173,6 +173,53 @@ class NoiseScaleRuleTest(tf.test.TestCase):
         self.assertGreaterEqual(windows[0], 50)
         self.assertTrue(all(b - a >= 50 for a, b in zip(windows, windows[1:])))
 
+    def test_adascale_alone_feeds_the_rule(self):
+        # AdaScale measures the noise scale without `noise_scale=`: the
+        # warm-up must follow that estimate as it follows an explicit one
+        # (the same defaults), to the same changes and weights.
+        x, y = problem.data()
+        kernel, bias = problem.frozen_weights()
+        rows = np.random.default_rng(5).integers(0, len(x), size=4800)
+
+        def run(**settings):
+            inputs = keras.Input((problem.IN_DIM,))
+            model = AccumModel(
+                inputs=inputs,
+                outputs=keras.layers.Dense(1)(inputs),
+                accum_steps=2,
+                adascale=accum_model.AdaScale(base_batch=4),
+                **settings,
+            )
+            model.set_weights([kernel, bias])
+            model.compile(keras.optimizers.SGD(1e-3), "mse")
+            warmup = AccumStepsWarmup(
+                factor=4.0,
+                min_accum_steps=2,
+                max_accum_steps=32,
+                warmup_windows=20,
+                cooldown_windows=20,
+                verbose=0,
+            )
+            model.fit(
+                x[rows],
+                y[rows],
+                batch_size=4,
+                epochs=1,
+                shuffle=False,
+                verbose=0,
+                callbacks=[warmup],
+            )
+            return model, warmup
+
+        alone, alone_warmup = run()
+        explicit, explicit_warmup = run(noise_scale=True)
+        self.assertNotEmpty(explicit_warmup.changes)
+        self.assertEqual(alone_warmup.changes, explicit_warmup.changes)
+        self.assertEqual(alone.accum_steps, explicit.accum_steps)
+        tu.assert_same_trajectory(
+            self, [explicit.get_weights()], [alone.get_weights()]
+        )
+
 
 if __name__ == "__main__":
     tf.test.main()
