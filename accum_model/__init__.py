@@ -5,7 +5,8 @@ The modules, in the order a micro-batch meets them: `_model` (`AccumModel`'s
 `_accumulator` (`GradientAccumulator`, the engine: the micro-batch into the
 window, then the window out through the optimizer; with the rules of
 `_mixed_precision`, `_noise_scale`, `_adascale`, `_control_flow`, and the
-apply hooks of `_batchnorm`). Around them: `_epoch_end` (partial windows at
+apply hooks of `_batchnorm`). Around them: `_settings` (a model's settings
+and the readings of its window), `_epoch_end` (partial windows at
 epoch ends), `_training_state` (what a model saves and warns once),
 `_construction` and `_accumulate` (how models become accumulating), `_plain`
 (files for Keras alone), `_multi_worker`, `_resume`, `_warmup`,

@@ -1,0 +1,144 @@
+"""`AccumSettings`: what an `AccumModel` is set to, and what it counted.
+
+A mixin of `AccumModel`: the settings of its constructor (`accum_steps`,
+`epoch_end`, `noise_scale`, `adascale`) as validated properties, and the
+readings of its window (the noise scale, AdaScale's gain and `tau`, the
+micro-batches and windows left out). The training path that uses them is
+in `_model`; the window itself is the `GradientAccumulator` that
+`gradient_accumulator` returns.
+"""
+
+from accum_model import _adascale
+from accum_model import _noise_scale
+from accum_model._validation import check_accum_steps
+from accum_model._validation import check_epoch_end
+
+
+class AccumSettings:
+    """The settings and window readings of an `AccumModel` (a mixin)."""
+
+    # Settings
+
+    @property
+    def accum_steps(self):
+        """Int. Micro-batches per optimizer update."""
+        return self._accum_steps
+
+    @accum_steps.setter
+    def accum_steps(self, value):
+        value = check_accum_steps(value)
+        self._accum_steps = value
+        if self.gradient_accumulator is not None:
+            self.gradient_accumulator.accum_steps = value
+
+    @property
+    def epoch_end(self):
+        """Str. What happens to a partly filled window when an epoch ends."""
+        return self._epoch_end
+
+    @epoch_end.setter
+    def epoch_end(self, value):
+        self._epoch_end = check_epoch_end(value)
+
+    @property
+    def noise_scale(self):
+        """The `NoiseScale` measured, or None (off).
+
+        Settable before the first training step only (the measurement is
+        part of the compiled step).
+        """
+        return self._noise_scale
+
+    @noise_scale.setter
+    def noise_scale(self, value):
+        value = _noise_scale.as_config(value)
+        _adascale.measurement_for(self._adascale, value)
+        self._check_before_training("noise_scale", value, self._noise_scale)
+        self._noise_scale = value
+
+    @property
+    def adascale(self):
+        """The `AdaScale` applied, or None (off).
+
+        Settable before the first training step only (the gain is part of
+        the compiled step).
+        """
+        return self._adascale
+
+    @adascale.setter
+    def adascale(self, value):
+        value = _adascale.as_config(value)
+        _adascale.measurement_for(value, self._noise_scale)
+        self._check_before_training("adascale", value, self._adascale)
+        self._adascale = value
+
+    def _check_before_training(self, name, value, current):
+        if value != current and self.gradient_accumulator is not None:
+            raise ValueError(
+                f"`{name}` can only be set before the model is trained (it "
+                "is part of the compiled training step). Received: "
+                f"{name}={value!r} after training started"
+            )
+
+    # Readings of the window
+
+    @property
+    def gradient_noise_scale(self):
+        """Float: the measured `B_simple`, in the loss normalizer's unit.
+
+        NaN before a window gave an estimate, None when `noise_scale` is
+        off. The accumulator's `noise_scale` has the parts.
+        """
+        accumulator = self.gradient_accumulator
+        if accumulator is None or accumulator.noise_scale is None:
+            return None if self._noise_scale is None else float("nan")
+        return float(accumulator.noise_scale.b_simple)
+
+    @property
+    def adascale_gain(self):
+        """Float: the AdaScale gain `r` of the last update.
+
+        1.0 before any update, None when `adascale` is off.
+        """
+        return self._adascale_reading("gain", 1.0)
+
+    @property
+    def adascale_tau(self):
+        """Float: AdaScale's scale-invariant iterations, `sum(r)` so far.
+
+        What a learning-rate schedule is read at, and what to compare with
+        the base run's number of updates. None when `adascale` is off.
+        """
+        return self._adascale_reading("tau", 0.0)
+
+    def _adascale_reading(self, name, before_training):
+        if self._adascale is None:
+            return None
+        accumulator = self.gradient_accumulator
+        if accumulator is None:
+            return before_training
+        return float(getattr(accumulator.adascale, name))
+
+    @property
+    def skipped_microbatches(self):
+        """Int. Micro-batches left out of their window for non-finite gradients.
+
+        Counted over the life of the model (only a `LossScaleOptimizer`, as
+        `mixed_float16` uses, skips micro-batches); also in the training logs
+        as `"skipped_microbatches"` when one is in use.
+        """
+        accumulator = self.gradient_accumulator
+        return 0 if accumulator is None else int(accumulator.skipped_steps)
+
+    @property
+    def discarded_windows(self):
+        """Int. Windows discarded, not applied, for non-finite gradients.
+
+        A window holding an `inf` or `NaN` is discarded whole, however it
+        closes, counted here (over the model's life; also in the training
+        logs as `"discarded_windows"`) and warned about. The weights stay
+        those of the last finite update, so `TerminateOnNaN` stops on finite
+        weights.
+        """
+        accumulator = self.gradient_accumulator
+        return 0 if accumulator is None else int(accumulator.discarded_windows)
