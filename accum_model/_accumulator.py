@@ -245,7 +245,7 @@ class GradientAccumulator(tf.Module):
         return self._weight_sum.read_value()
 
     @property
-    def skipped_steps(self):
+    def skipped_microbatches(self):
         """Int64 tensor. Micro-batches left out for non-finite gradients."""
         return self._skipped.read_value()
 
@@ -328,8 +328,9 @@ class GradientAccumulator(tf.Module):
         `optimizer.get_unscaled_gradients`. Each micro-batch is then unscaled
         in float32 with the scale it was computed with, a micro-batch whose
         gradients are not all finite (on any replica) is left out of its
-        window (counted in `skipped_steps`), and the dynamic scale moves once
-        per micro-batch, as `AccumModel` does (see docs/numerics.md). Under
+        window (counted in `skipped_microbatches`), and the dynamic scale
+        moves once per micro-batch, as `AccumModel` does (see
+        docs/numerics.md). Under
         Keras 3 in a `tf.function`, build the optimizer before the first
         trace (`optimizer.build(variables)`): an unbuilt one's `scale_loss`
         multiplies by its initial scale as a constant.

@@ -369,5 +369,5 @@ def _window_logs(accumulator, scaling):
     if scaling:
         # Where non-finite gradients are expected; elsewhere the logs stay
         # those of plain fit.
-        logs["skipped_microbatches"] = accumulator.skipped_steps
+        logs["skipped_microbatches"] = accumulator.skipped_microbatches
     return {key: tf.cast(value, tf.float32) for key, value in logs.items()}

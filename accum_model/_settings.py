@@ -128,7 +128,9 @@ class AccumSettings:
         as `"skipped_microbatches"` when one is in use.
         """
         accumulator = self.gradient_accumulator
-        return 0 if accumulator is None else int(accumulator.skipped_steps)
+        return (
+            0 if accumulator is None else int(accumulator.skipped_microbatches)
+        )
 
     @property
     def discarded_windows(self):

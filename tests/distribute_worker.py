@@ -296,7 +296,7 @@ def _loop_case(strategy, case):
     extra = {}
     if scaling:
         extra["loss_scale"] = float(ADAPTER.loss_scale(optimizer))
-        extra["skipped_microbatches"] = int(accumulator.skipped_steps)
+        extra["skipped_microbatches"] = int(accumulator.skipped_microbatches)
     return {
         **extra,
         "replicas": replicas,

@@ -93,7 +93,7 @@ class HandComputedTest(tf.test.TestCase, parameterized.TestCase):
         ]
         self.assertEqual(results, [False, False, True])
         self.assertAllClose(v, [-3.0])  # mean of the finite two
-        self.assertEqual(int(acc.skipped_steps), 1)
+        self.assertEqual(int(acc.skipped_microbatches), 1)
         # A window of nothing but skipped micro-batches applies nothing.
         for _ in range(3):
             acc.step([tf.constant([np.nan])], opt, is_finite=tf.constant(False))

@@ -245,7 +245,9 @@ class CustomLoopLossScaleTest(_MixedFloat16TestCase):
             1e-4,
         )
         self.assertEqual(int(optimizer.iterations), 2)
-        self.assertEqual(int(accumulator.skipped_steps), len(overflowing))
+        self.assertEqual(
+            int(accumulator.skipped_microbatches), len(overflowing)
+        )
         self.assertEqual(float(ADAPTER.loss_scale(optimizer)), final_scale)
 
     def test_unbuilt_optimizer_in_a_traced_step_is_refused(self):
@@ -284,7 +286,7 @@ class CustomLoopLossScaleTest(_MixedFloat16TestCase):
             accumulator.step([tf.fill([4, 5], float("inf"))], optimizer)
         self.assertEqual(float(ADAPTER.loss_scale(optimizer)), 256.0)
         self.assertEqual(int(accumulator.micro_step), 0)
-        self.assertEqual(int(accumulator.skipped_steps), 0)
+        self.assertEqual(int(accumulator.skipped_microbatches), 0)
 
 
 class MixedBfloat16Test(tf.test.TestCase):
