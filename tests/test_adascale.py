@@ -15,6 +15,7 @@ from accum_model import GradientAccumulator
 from accum_model import _adascale
 from accum_model._keras import keras
 from tests import noise_scale_problem as problem
+from tests import testing_utils as tu
 
 
 def _population_gain(base_batch, weight):
@@ -459,6 +460,68 @@ class TrainingTest(tf.test.TestCase, parameterized.TestCase):
             )
         self.assertAllClose(recorder[2], taus[0], rtol=1e-4)
         self.assertAllClose(model.adascale_tau, sum(taus), rtol=1e-4)
+
+
+class MixedPrecisionTest(tf.test.TestCase):
+    """Under `mixed_float16`: compile wraps SGD in a `LossScaleOptimizer`."""
+
+    def setUp(self):
+        super().setUp()
+        tu.use_policy(self, "mixed_float16")
+
+    def _compile(self, model, learning_rate, **kwargs):
+        # A scale that never overflows here: a skipped micro-batch leaves a
+        # window of less weight, whose gain AdaScale rightly makes smaller.
+        model.compile(
+            keras.mixed_precision.LossScaleOptimizer(
+                keras.optimizers.SGD(learning_rate, **kwargs),
+                initial_scale=64.0,
+            ),
+            "mse",
+        )
+
+    def test_at_the_base_batch_it_is_training_without_it(self):
+        # S = 1: r = 1 exactly, so the loss-scaled run is bit for bit the
+        # one without AdaScale.
+        x, y = problem.data(128)
+        runs = []
+        for adascale in (None, AdaScale(16)):
+            model = _linear_model(accum_steps=2, adascale=adascale)
+            self._compile(model, 0.02, momentum=0.9)
+            model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+            self.assertEqual(model.skipped_microbatches, 0)
+            runs.append(model)
+        off, on = runs
+        for a, b in zip(on.get_weights(), off.get_weights()):
+            self.assertAllEqual(a, b)
+        self.assertEqual(on.adascale_gain, 1.0)
+        self.assertEqual(on.adascale_tau, 16.0)
+
+    def test_gain_is_the_population_gain(self):
+        # The estimate reads gradients unscaled in float32: the gain is the
+        # float32 problem's population gain (float16 inputs round by 1e-3).
+        sizes, base_batch, windows = (4, 4, 4, 4), 4, 1200
+        x, y = problem.data()
+        xs, ys, _ = problem.window_data(x, y, sizes, windows)
+        model = _linear_model(
+            accum_steps=len(sizes),
+            noise_scale=accum_model.NoiseScale(beta=0.998),
+            adascale=AdaScale(base_batch),
+        )
+        self._compile(model, 0.0)
+        recorder = _GainRecorder(len(sizes))
+        model.fit(
+            _micro_batches(xs, ys, sizes),
+            shuffle=False,
+            verbose=0,
+            callbacks=[recorder],
+        )
+        self.assertLen(recorder.gains, windows)
+        self.assertEqual(model.skipped_microbatches, 0)
+        expected = _population_gain(base_batch, sum(sizes))
+        self.assertAllClose(
+            np.mean(recorder.gains[windows // 2 :]), expected, rtol=0.03
+        )
 
 
 class CustomLoopTest(tf.test.TestCase, parameterized.TestCase):
