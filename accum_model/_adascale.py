@@ -27,6 +27,8 @@ import tensorflow as tf
 
 from accum_model import _keras
 from accum_model import _noise_scale
+from accum_model._validation import SettingConfig
+from accum_model._validation import as_setting
 
 ADAPTER = _keras.ADAPTER
 
@@ -34,7 +36,7 @@ _ON_READ = tf.VariableSynchronization.ON_READ
 _FIRST = tf.VariableAggregation.ONLY_FIRST_REPLICA
 
 
-class AdaScale:
+class AdaScale(SettingConfig):
     """AdaScale SGD: scale the learning rate by the measured gain.
 
     Pass it to `AccumModel(adascale=...)`, `accumulate(model, accum_steps,
@@ -86,15 +88,6 @@ class AdaScale:
     def get_config(self):
         return {"base_batch": self.base_batch}
 
-    def __eq__(self, other):
-        return (
-            isinstance(other, AdaScale)
-            and self.get_config() == other.get_config()
-        )
-
-    def __repr__(self):
-        return f"AdaScale(base_batch={self.base_batch!r})"
-
 
 def as_config(adascale):
     """Returns an `AdaScale`, or None when it is off.
@@ -106,15 +99,11 @@ def as_config(adascale):
     Raises:
         TypeError: For any other value.
     """
-    if adascale is None or adascale is False:
-        return None
-    if isinstance(adascale, AdaScale):
-        return adascale
-    if isinstance(adascale, dict):
-        return AdaScale(**adascale)
-    raise TypeError(
-        "`adascale` must be None, an `accum_model.AdaScale` or a dict of its "
-        f"arguments. Received: adascale={adascale!r}"
+    return as_setting(
+        "adascale",
+        adascale,
+        AdaScale,
+        "None, an `accum_model.AdaScale` or a dict of its arguments",
     )
 
 

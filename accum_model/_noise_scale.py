@@ -32,6 +32,8 @@ import numbers
 
 import tensorflow as tf
 
+from accum_model._validation import SettingConfig
+from accum_model._validation import as_setting
 from accum_model._validation import check_integer
 
 _ON_READ = tf.VariableSynchronization.ON_READ
@@ -42,7 +44,7 @@ _FIRST = tf.VariableAggregation.ONLY_FIRST_REPLICA
 NUM_STATISTICS = 4
 
 
-class NoiseScale:
+class NoiseScale(SettingConfig):
     """How to measure the gradient noise scale of accumulated windows.
 
     Pass `noise_scale=True` (these defaults) or a `NoiseScale(...)` to
@@ -75,15 +77,6 @@ class NoiseScale:
     def get_config(self):
         return {"every": self.every, "beta": self.beta}
 
-    def __eq__(self, other):
-        return (
-            isinstance(other, NoiseScale)
-            and self.get_config() == other.get_config()
-        )
-
-    def __repr__(self):
-        return f"NoiseScale(every={self.every}, beta={self.beta})"
-
 
 def as_config(noise_scale):
     """Returns a `NoiseScale`, or None when the measurement is off.
@@ -96,17 +89,12 @@ def as_config(noise_scale):
     Raises:
         TypeError: For any other value.
     """
-    if noise_scale is None or noise_scale is False:
-        return None
-    if noise_scale is True:
-        return NoiseScale()
-    if isinstance(noise_scale, NoiseScale):
-        return noise_scale
-    if isinstance(noise_scale, dict):
-        return NoiseScale(**noise_scale)
-    raise TypeError(
-        "`noise_scale` must be a bool, an `accum_model.NoiseScale` or a dict "
-        f"of its arguments. Received: noise_scale={noise_scale!r}"
+    return as_setting(
+        "noise_scale",
+        noise_scale,
+        NoiseScale,
+        "a bool, an `accum_model.NoiseScale` or a dict of its arguments",
+        on=NoiseScale,
     )
 
 

@@ -48,3 +48,48 @@ def check_epoch_end(epoch_end):
             f"Received: epoch_end={epoch_end!r}"
         )
     return epoch_end
+
+
+class SettingConfig:
+    """The arguments of a setting: equal when their configs are, shown so.
+
+    The base of `NoiseScale` and `AdaScale`, which define `get_config`.
+    """
+
+    def __eq__(self, other):
+        return (
+            isinstance(other, type(self))
+            and self.get_config() == other.get_config()
+        )
+
+    def __repr__(self):
+        arguments = ", ".join(
+            f"{key}={value!r}" for key, value in self.get_config().items()
+        )
+        return f"{type(self).__name__}({arguments})"
+
+
+def as_setting(name, value, cls, accepted, on=None):
+    """Returns `value` as a `cls` (a `SettingConfig`), or None when off.
+
+    Args:
+        name: Str. The argument's name, for the message.
+        value: `None` or `False` (off), `True` (where `on` is given), a
+            `cls`, or a dict of its arguments (as a model's `get_config`
+            writes it).
+        cls: The setting's class.
+        accepted: Str. What the message says `name` must be.
+        on: Optional callable: the setting `True` stands for.
+
+    Raises:
+        TypeError: For any other value.
+    """
+    if value is None or value is False:
+        return None
+    if value is True and on is not None:
+        return on()
+    if isinstance(value, cls):
+        return value
+    if isinstance(value, dict):
+        return cls(**value)
+    raise TypeError(f"`{name}` must be {accepted}. Received: {name}={value!r}")
