@@ -291,7 +291,7 @@ class GradientAccumulator(tf.Module):
             ValueError: As `accum_model.AdaScale`'s optimizer check.
         """
         if self._adascale is not None:
-            self._adascale.check(optimizer)
+            _adascale.check_optimizer(optimizer)
 
     def add_apply_hook(self, fn, state=()):
         """Registers `fn()` to run inside the branch that applies a window.

@@ -235,7 +235,6 @@ class AdaScaleState(tf.Module):
     def __init__(self, config, name=None):
         super().__init__(name=name or "adascale")
         self.config = config
-        self._checked = set()
         with tf.init_scope(), tf.name_scope(self.name):
             # Equal on every replica: each computes them from all-reduced
             # values.
@@ -257,12 +256,6 @@ class AdaScaleState(tf.Module):
     def state_variables(self):
         """Every variable of the state, in a fixed order."""
         return [self._tau, self._gain, self._lr]
-
-    def check(self, optimizer):
-        """`check_optimizer`, once per optimizer object (Python only)."""
-        if id(optimizer) not in self._checked:
-            check_optimizer(optimizer)
-            self._checked.add(id(optimizer))
 
     def factor(self, estimator, weight, optimizer):
         """Float32 scalar: what the window's mean gradient is multiplied by.
