@@ -6,8 +6,8 @@ here (nothing is downloaded):
 
   plain_E    plain `fit` at the effective batch E (what accumulation
              stands for)
-  plain_B    plain `fit` at the micro-batch B = E / N (what fits without
-             accumulation)
+  plain_B    plain `fit` at the micro-batch B = E / N, N the largest asked
+             for (what fits without accumulation)
   accum_N    `accumulate(model, N)` at B = E / N, for each N of
              `--accum_steps`
   builtin_N  plain `fit` at B with the optimizer's own
@@ -25,16 +25,19 @@ measured: the allocator's peak from its first micro-batch to its end (weights,
 optimizer slots and accumulators included: they are alive), and samples per
 second over it (one repeat per configuration unless `--windows` says more).
 
-Then it fits the memory model of `docs/memory.md` per model and optimizer:
-the static bytes (weights, gradients, optimizer slots, accumulators) from the
-variables' sizes and dtypes, the activations per sample and a constant from
-the two plain runs (the slope and intercept of peak against batch size), and
-prints each row's prediction against its measurement, and the crossover: the
+Then it fits the memory model of `docs/memory.md` per model: the static
+bytes (weights, gradients, optimizer slots, accumulators) from the variables'
+sizes and dtypes, which gradients are sparse from the tape, the activations
+per sample and a constant from the two plain runs of the first optimizer
+(the slope and intercept of peak against batch size; the other optimizers'
+rows are all predictions), and prints each row's prediction against its
+measurement, and the crossover: the
 smallest effective batch at which accumulating N micro-batches peaks lower
 than the plain large batch.
 
-    python benchmarks/bench_memory.py                    # 13 processes
-    python benchmarks/bench_memory.py --models=gpt2 --accum_steps=1,2,4,8,16
+    python benchmarks/bench_memory.py                    # README table
+    python benchmarks/bench_memory.py --models=bert,resnet50
+    python benchmarks/bench_memory.py --models=resnet50 --accum_steps=1,2,4,8,16
     python benchmarks/bench_memory.py --optimizers=adamw,sgd --json out.json
     python benchmarks/bench_memory.py --device=gpu --effective_batch=64
     python benchmarks/bench_memory.py --quick            # tiny models, smoke
@@ -66,15 +69,19 @@ RUNS = ("plain_E", "plain_B", "accum", "builtin")
 LORA_RANK = 4
 MIB = 2**20
 
-_MODELS = flags.DEFINE_list("models", list(MODELS), f"Which of {MODELS}.")
+_MODELS = flags.DEFINE_list(
+    "models",
+    ["gpt2", "gpt2_lora"],
+    f"Which of {MODELS}. The default is the README's table.",
+)
 _OPTIMIZERS = flags.DEFINE_list(
     "optimizers", ["adamw"], f"Which of {OPTIMIZERS}."
 )
 _RUNS = flags.DEFINE_list(
     "runs",
     list(RUNS),
-    f"Which of {RUNS}; accum runs once per `--accum_steps`, builtin at the "
-    "first of them, plain_B at E divided by the first of them.",
+    f"Which of {RUNS}; accum runs once per `--accum_steps`, plain_B and "
+    "builtin at the smallest micro-batch, E divided by the largest of them.",
 )
 _BUILTIN_MODELS = flags.DEFINE_list(
     "builtin_models",
@@ -118,10 +125,11 @@ _QUICK = flags.DEFINE_bool(
     "reading.",
 )
 _JSON = flags.DEFINE_string("json", None, "Also write the results here.")
-_REPORT = flags.DEFINE_string(
+_REPORT = flags.DEFINE_list(
     "report",
     None,
-    "Measure nothing: print the tables of the rows in this `--json` file.",
+    "Measure nothing: print the tables of the rows in these `--json` files "
+    "(one model's runs may be split among them).",
 )
 
 
@@ -237,6 +245,25 @@ def _bytes(variables):
     )
 
 
+def _sparse_gradient_variables(tf, model, x, y, loss):
+    """The trainable variables whose gradient is a `tf.IndexedSlices`.
+
+    An embedding looked up and not used elsewhere gets the rows of the batch
+    as its gradient, not a dense tensor: plain fit never holds that gradient
+    at its variable's size, while an accumulator is always dense. Asked of
+    the tape, on one sample, after the measured window.
+    """
+    one = tf.nest.map_structure(lambda t: t[:1], x)
+    with tf.GradientTape() as tape:
+        value = loss(y[:1], model(one, training=True))
+    grads = tape.gradient(value, model.trainable_variables)
+    return [
+        v
+        for v, g in zip(model.trainable_variables, grads)
+        if isinstance(g, tf.IndexedSlices)
+    ]
+
+
 def measure(config, queue):
     """Trains one configuration in this process; puts its measurements.
 
@@ -300,6 +327,7 @@ def measure(config, queue):
     model.fit(dataset, epochs=1, verbose=0, callbacks=[clock])
     info = tf.config.experimental.get_memory_info(device)
     trainable = model.trainable_variables
+    sparse = _sparse_gradient_variables(tf, model, x, y, model.loss)
     builtin = getattr(optimizer, "_accumulated_gradients", [])
     builtin_ids = {id(v) for v in builtin}
     queue.put(
@@ -319,6 +347,7 @@ def measure(config, queue):
             ),
             "weight_bytes": _bytes(model.weights),
             "trainable_bytes": _bytes(trainable),
+            "sparse_gradient_bytes": _bytes(sparse),
             "optimizer_slot_bytes": _bytes(
                 v
                 for v in optimizer.variables
@@ -336,8 +365,12 @@ def measure(config, queue):
 def configurations(
     models, optimizers, runs, effective, accum_steps, base, builtin_models=()
 ):
-    """The configurations to measure, in order, as dicts for `measure`."""
-    first = accum_steps[0]
+    """The configurations to measure, in order, as dicts for `measure`.
+
+    `plain_B` and `builtin` run at the smallest micro-batch, E divided by the
+    largest N.
+    """
+    largest = max(accum_steps)
     configs = []
     for model in models:
         for optimizer in optimizers:
@@ -345,11 +378,11 @@ def configurations(
             if "plain_E" in runs:
                 rows.append(("plain_E", effective, 1))
             if "plain_B" in runs:
-                rows.append(("plain_B", effective // first, 1))
+                rows.append(("plain_B", effective // largest, 1))
             if "accum" in runs:
                 rows += [("accum", effective // n, n) for n in accum_steps]
             if "builtin" in runs and model in builtin_models:
-                rows.append(("builtin", effective // first, first))
+                rows.append(("builtin", effective // largest, largest))
             for run, micro, n in rows:
                 configs.append(
                     dict(
@@ -372,36 +405,46 @@ def label(row):
 
 
 def memory_model(rows):
-    """Fits the memory model per model and optimizer; predicts every row.
+    """Fits the memory model per model; predicts every row.
 
     A peak is the static bytes plus `a * b` (the activations of a micro-batch
     of `b` samples) plus a constant `c`. The static bytes come from the
-    variables' sizes: weights, optimizer slots and accumulators, plus the
-    gradients where they all wait for the optimizer together (plain fit;
-    twice for the built-in option, see `static_bytes`); `AccumModel` adds
-    each gradient into its accumulator as the backward pass produces it, so
-    its gradients never all live at once. `a` and `c` come
-    from the two plain runs of the same model and optimizer. Sets
-    `predicted_bytes` on every row of a group that has both.
+    variables' sizes (see `static_bytes`). `a` and `c` belong to the model,
+    not to its optimizer: they come from the two plain runs of the model's
+    first optimizer that has both, and every other row is predicted with
+    them, the plain runs of other optimizers included (only their slots
+    differ). Sets `predicted_bytes` on every row of a model that has a fit,
+    and `fitted` on the two rows the fit came from.
 
     Args:
         rows: The measured rows (dicts from `measure`), changed in place.
 
     Returns:
-        A list of dicts, one per model and optimizer with both plain runs:
-        the terms of the model, and for each N measured the smallest
-        effective batch at which accumulating (AccumModel, built-in) peaks
-        below the plain large batch.
+        A list of dicts, one per model and optimizer of a fitted model: the
+        terms of the model, and for each N measured the smallest effective
+        batch at which accumulating (AccumModel, built-in) peaks below the
+        plain large batch.
     """
     fits = []
     groups = {}
     for row in rows:
-        groups.setdefault((row["model"], row["optimizer"]), []).append(row)
-    for (model, optimizer), group in groups.items():
-        by = {label(r): r for r in group}
-        if "plain_E" not in by or "plain_B" not in by:
+        groups.setdefault(row["model"], {}).setdefault(
+            row["optimizer"], []
+        ).append(row)
+    for model, by_optimizer in groups.items():
+        fit = None
+        for group in by_optimizer.values():
+            by = {label(r): r for r in group}
+            if (
+                "plain_E" in by
+                and "plain_B" in by
+                and by["plain_E"]["micro_batch"] != by["plain_B"]["micro_batch"]
+            ):
+                fit = by["plain_E"], by["plain_B"]
+                break
+        if fit is None:
             continue
-        large, small = by["plain_E"], by["plain_B"]
+        large, small = fit
         per_sample = (large["peak_bytes"] - small["peak_bytes"]) / (
             large["micro_batch"] - small["micro_batch"]
         )
@@ -410,56 +453,72 @@ def memory_model(rows):
             - static_bytes(small)
             - per_sample * small["micro_batch"]
         )
-        for r in group:
-            r["predicted_bytes"] = (
-                static_bytes(r) + per_sample * r["micro_batch"] + constant
+        for optimizer, group in by_optimizer.items():
+            for r in group:
+                r["predicted_bytes"] = (
+                    static_bytes(r) + per_sample * r["micro_batch"] + constant
+                )
+                r["fitted"] = r is large or r is small
+            first = group[0]
+            gradients = first["trainable_bytes"]
+            sparse = first.get("sparse_gradient_bytes", 0)
+            accumulators = max(
+                (r["accumulator_bytes"] for r in group if r["run"] == "accum"),
+                default=gradients,
             )
-        gradients = large["trainable_bytes"]
-        accumulators = max(
-            (r["accumulator_bytes"] for r in group if r["run"] == "accum"),
-            default=gradients,
-        )
-        ns = sorted({r["accum_steps"] for r in group if r["run"] != "plain_E"})
+            ns = sorted(
+                {r["accum_steps"] for r in group if r["run"] != "plain_E"}
+            )
 
-        def crossover(extra):
-            # Accumulating N saves memory once the activations of the N - 1
-            # micro-batches it avoids, a * E * (1 - 1/N), outweigh what it
-            # holds in addition to plain fit.
-            return {
-                n: max(extra, 0) / (per_sample * (1 - 1 / n))
-                for n in ns
-                if n > 1 and per_sample > 0
-            }
+            def crossover(extra):
+                # Accumulating N saves memory once the activations of the N - 1
+                # micro-batches it avoids, a * E * (1 - 1/N), outweigh what it
+                # holds in addition to plain fit.
+                return {
+                    n: max(extra, 0) / (per_sample * (1 - 1 / n))
+                    for n in ns
+                    if n > 1 and per_sample > 0
+                }
 
-        fits.append(
-            {
-                "model": model,
-                "optimizer": optimizer,
-                "weight_bytes": large["weight_bytes"],
-                "gradient_bytes": gradients,
-                "optimizer_slot_bytes": large["optimizer_slot_bytes"],
-                "accumulator_bytes": accumulators,
-                "activation_bytes_per_sample": per_sample,
-                "constant_bytes": constant,
-                "crossover_effective_batch": {
-                    "accum": crossover(accumulators - gradients),
-                    "builtin": crossover(accumulators + gradients),
-                },
-                "effective_batch": large["micro_batch"],
-            }
-        )
+            dense = gradients - sparse
+            fits.append(
+                {
+                    "model": model,
+                    "optimizer": optimizer,
+                    "fitted_on": large["optimizer"],
+                    "weight_bytes": first["weight_bytes"],
+                    "gradient_bytes": gradients,
+                    "sparse_gradient_bytes": sparse,
+                    "optimizer_slot_bytes": max(
+                        r["optimizer_slot_bytes"] for r in group
+                    ),
+                    "accumulator_bytes": accumulators,
+                    "activation_bytes_per_sample": per_sample,
+                    "constant_bytes": constant,
+                    "crossover_effective_batch": {
+                        "accum": crossover(accumulators - dense),
+                        "builtin": crossover(accumulators + gradients),
+                    },
+                    "effective_batch": large["micro_batch"],
+                }
+            )
     return fits
 
 
 def static_bytes(row):
     """Weights, optimizer slots, accumulators, and gradients alive at once.
 
-    Plain fit holds every gradient until the optimizer runs; the built-in
-    option also builds `g + acc` for every variable before it stores the
-    first; `AccumModel` holds none of them all at once.
+    Plain fit holds every dense gradient until the optimizer runs; a sparse
+    one (the looked-up rows of an embedding) grows with the batch and counts
+    with the activations. The built-in option also builds `g + acc`, dense,
+    for every variable before it stores the first. `AccumModel` adds each
+    gradient into its accumulator as the backward pass produces it, so its
+    gradients never all live at once; its accumulators are dense.
     """
-    copies = {"accum": 0, "builtin": 2}.get(row["run"], 1)
-    gradients = copies * row["trainable_bytes"]
+    dense = row["trainable_bytes"] - row.get("sparse_gradient_bytes", 0)
+    gradients = {"accum": 0, "builtin": dense + row["trainable_bytes"]}.get(
+        row["run"], dense
+    )
     return (
         row["weight_bytes"]
         + row["optimizer_slot_bytes"]
@@ -486,7 +545,7 @@ def format_rows(rows):
     }
     for r in rows:
         predicted = r.get("predicted_bytes")
-        fitted = r["run"].startswith("plain")
+        fitted = r.get("fitted", False)
         error = (
             "-"
             if predicted is None
@@ -512,8 +571,8 @@ def format_rows(rows):
 def format_fits(fits):
     """The memory model's terms and crossovers as a Markdown table."""
     lines = [
-        "| model | optimizer | weights | gradients | optimizer slots | "
-        "accumulators | activations / sample | constant | "
+        "| model | optimizer | weights | gradients (sparse) | "
+        "optimizer slots | accumulators | activations / sample | constant | "
         "AccumModel saves memory from E = | built-in saves memory from E = |",
         "|---" * 10 + "|",
     ]
@@ -528,7 +587,8 @@ def format_fits(fits):
         ]
         lines.append(
             f"| {f['model']} | {f['optimizer']} | {_mib(f['weight_bytes'])} | "
-            f"{_mib(f['gradient_bytes'])} | "
+            f"{_mib(f['gradient_bytes'])} "
+            f"({_mib(f.get('sparse_gradient_bytes', 0))}) | "
             f"{_mib(f['optimizer_slot_bytes'])} | "
             f"{_mib(f['accumulator_bytes'])} | "
             f"{f['activation_bytes_per_sample'] / MIB:,.1f} | "
@@ -599,8 +659,10 @@ def main(argv):
                 f"Received: {name}={values!r}"
             )
     if _REPORT.value:
-        with open(_REPORT.value) as f:
-            rows = json.load(f)["rows"]
+        rows = []
+        for path in _REPORT.value:
+            with open(path) as f:
+                rows += json.load(f)["rows"]
         _print_tables(rows, memory_model(rows))
         return
     quick = _QUICK.value

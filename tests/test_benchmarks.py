@@ -221,41 +221,64 @@ class BenchMemoryTest(tf.test.TestCase):
         # (plain), 200 (built-in: also every `g + acc`), none (AccumModel:
         # never all alive at once): AccumModel is predicted at
         # 1000 + 2000 + 100 + 2 * 50 + 200, the built-in option 200 above.
-        def row(run, micro, n, peak, accumulators=0):
+        def row(run, micro, n, peak, accumulators=0, **kwargs):
             return dict(
-                model="m",
-                optimizer="adamw",
-                run=run,
-                micro_batch=micro,
-                accum_steps=n,
-                peak_bytes=peak,
-                weight_bytes=1000,
-                optimizer_slot_bytes=2000,
-                trainable_bytes=100,
-                trainable_parameters=25,
-                accumulator_bytes=accumulators,
-                samples_per_second=1.0,
-                device_name="CPU:0",
+                dict(
+                    model="m",
+                    optimizer="adamw",
+                    run=run,
+                    micro_batch=micro,
+                    accum_steps=n,
+                    peak_bytes=peak,
+                    weight_bytes=1000,
+                    optimizer_slot_bytes=2000,
+                    trainable_bytes=100,
+                    sparse_gradient_bytes=0,
+                    trainable_parameters=25,
+                    accumulator_bytes=accumulators,
+                    samples_per_second=1.0,
+                    device_name="CPU:0",
+                ),
+                **kwargs,
             )
 
+        sgd = dict(optimizer="sgd", optimizer_slot_bytes=0)
+        # Model "s": 40 of its 100 trainable bytes get a sparse gradient, so
+        # plain fit holds 60 dense ones: static 3060, the same a and c as
+        # "m", and AccumModel 40 above plain at its micro-batch.
+        sparse = dict(model="s", sparse_gradient_bytes=40)
         rows = [
             row("plain_E", 8, 1, 3700),
             row("plain_B", 2, 1, 3400),
             row("accum", 2, 4, 3410, 100),
             row("builtin", 2, 4, 3600, 100),
+            # SGD: no slots; a and c come from AdamW's plain runs, so this
+            # is a prediction: 1000 + 100 + 8 * 50 + 200 = 1700.
+            row("plain_E", 8, 1, 1734, **sgd),
+            row("plain_E", 8, 1, 3660, **sparse),
+            row("plain_B", 2, 1, 3360, **sparse),
+            # 1000 + 2000 + 100 + 2 * 50 + 200 = 3400.
+            row("accum", 2, 4, 3440, 100, **sparse),
         ]
         path = os.path.join(tempfile.mkdtemp(), "rows.json")
         with open(path, "w") as f:
-            json.dump({"rows": rows}, f)
-        result = _run_benchmark("bench_memory.py", f"--report={path}")
+            json.dump({"rows": rows[:5]}, f)
+        other = os.path.join(tempfile.mkdtemp(), "rows.json")
+        with open(other, "w") as f:
+            json.dump({"rows": rows[5:]}, f)
+        result = _run_benchmark("bench_memory.py", f"--report={path},{other}")
         self.assertEqual(result.returncode, 0, result.stderr[-3000:])
         # Bytes print as MiB; the error column is exact.
         self.assertIn("| m | adamw | accum_4 | 2 |", result.stdout)
         self.assertIn("| -0.3% |", result.stdout)  # 3400 against 3410
         self.assertIn("| +0.0% |", result.stdout)  # builtin: 3600
+        self.assertIn("| -2.0% |", result.stdout)  # SGD: 1700 against 1734
+        self.assertIn("| -1.2% |", result.stdout)  # sparse: 3400 against 3440
         # The built-in option saves from E = 200 / (50 * 3/4) = 5.3;
-        # AccumModel holds nothing more than plain fit here.
+        # AccumModel holds nothing more than plain fit here, and 40 more
+        # where 40 bytes of gradients are sparse: 40 / (50 * 3/4) = 1.1.
         self.assertIn("| 0.0 (N=4) | 5.3 (N=4) |", result.stdout)
+        self.assertIn("| 1.1 (N=4) | 5.3 (N=4) |", result.stdout)
 
 
 if __name__ == "__main__":
