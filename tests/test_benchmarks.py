@@ -203,8 +203,12 @@ class BenchMemoryTest(tf.test.TestCase):
             self.assertGreater(r["samples_per_second"], 0)
         self.assertEqual(rows["plain_E"]["micro_batch"], 4)
         self.assertEqual(rows["accum"]["micro_batch"], 2)
-        # One update per window: the warm-up one and the measured one.
-        self.assertEqual(rows["accum"]["updates"], 2)
+        # One update per window: the warm-up one and three measured ones,
+        # whose largest peak is the row's.
+        self.assertEqual(rows["accum"]["updates"], 4)
+        for r in rows.values():
+            self.assertLen(r["window_peak_bytes"], 3)
+            self.assertEqual(r["peak_bytes"], max(r["window_peak_bytes"]))
         # The window: one float32 copy of the trainable weights, and a few
         # counters.
         extra = (
