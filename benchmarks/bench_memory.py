@@ -108,6 +108,13 @@ _WINDOWS = flags.DEFINE_integer(
     "Measured windows per configuration after the warm-up one: the peak is "
     "their largest, the samples/s figure their mean.",
 )
+_JIT_COMPILE = flags.DEFINE_enum(
+    "jit_compile",
+    "false",
+    ["false", "true", "auto"],
+    "`compile(jit_compile=...)`: graph mode (false), XLA (true), or Keras' "
+    "choice (auto: XLA on a GPU).",
+)
 _DEVICE = flags.DEFINE_enum(
     "device",
     "auto",
@@ -271,7 +278,8 @@ def measure(config, queue):
 
     Args:
         config: A dict: model, optimizer, run, micro_batch, accum_steps,
-            sequence_length, image_size, windows, device, quick.
+            sequence_length, image_size, windows, jit_compile, device,
+            quick.
         queue: Where the result dict goes.
     """
     began = time.perf_counter()
@@ -300,7 +308,9 @@ def measure(config, queue):
     model.compile(
         optimizer=optimizer,
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        jit_compile=False,
+        jit_compile={"false": False, "true": True}.get(
+            config["jit_compile"], "auto"
+        ),
     )
     resident = tf.config.experimental.get_memory_info(device)["current"]
 
@@ -690,6 +700,7 @@ def main(argv):
         sequence_length=8 if quick else _SEQUENCE_LENGTH.value,
         image_size=32 if quick else _IMAGE_SIZE.value,
         windows=_WINDOWS.value,
+        jit_compile=_JIT_COMPILE.value,
         device=_DEVICE.value,
         quick=quick,
     )
@@ -710,7 +721,8 @@ def main(argv):
     _print_tables(rows, fits)
     print(
         f"E={effective}, sequence length {base['sequence_length']}, images "
-        f"{base['image_size']}px; the largest peak of {base['windows']} "
+        f"{base['image_size']}px; jit_compile={base['jit_compile']}; the "
+        f"largest peak of {base['windows']} "
         f"measured window(s) after one warm-up window, and samples/s over "
         f"them; {rows[0]['device_name']} "
         f"({info['cpu_count']} CPU cores), TensorFlow {info['tensorflow']}, "
