@@ -571,7 +571,7 @@ class GradientAccumulator(tf.Module):
         _control_flow.close_if(
             should_close,
             apply_if=lambda: self._contributed > 0,
-            apply_fn=lambda: self._apply_mean(optimizer, receiving),
+            apply_fn=lambda: self._apply_mean(optimizer, receiving, xla),
             then=lambda: self._end_window(closed=True),
             check=lambda: self._all_finite(xla),
             on_failed_check=lambda: self._discarded.assign_add(1),
@@ -623,14 +623,9 @@ class GradientAccumulator(tf.Module):
         accumulators = self._accumulators + [self._weight_sum]
 
         def exact():
-            # Under XLA, reductions of values the close's loop does not
-            # change would be hoisted out of it, onto every micro-batch.
-            # Scaled by a counter the close resets, they stay in the loop; a
-            # factor of 0 or 1 keeps every element's finiteness.
-            live = tf.cast(self._micro_step > 0, tf.float32)
             bad = [
-                tf.logical_not(tf.reduce_all(tf.math.is_finite(v * live)))
-                for v in accumulators
+                tf.logical_not(tf.reduce_all(tf.math.is_finite(v)))
+                for v in self._kept_in_loop(accumulators)
             ]
             return tf.reduce_sum(tf.cast(tf.stack(bad), tf.float32))
 
@@ -651,14 +646,30 @@ class GradientAccumulator(tf.Module):
             )
         return tf.equal(bad, 0.0)
 
-    def _apply_mean(self, optimizer, receiving):
+    def _kept_in_loop(self, accumulators):
+        """The accumulators, as values XLA keeps inside the close's loop.
+
+        XLA hoists work on values a loop does not change out of it, assuming
+        the loop runs; the close's loop runs once a window, so a reduction
+        over the accumulators would run on every micro-batch. Multiplied by
+        a counter the close resets (1 here, as the close runs after a
+        micro-batch), they are values the loop changes: exactly equal, and
+        the multiply fuses into the reduction.
+        """
+        live = tf.cast(self._micro_step > 0, tf.float32)
+        return [v * live for v in accumulators]
+
+    def _apply_mean(self, optimizer, receiving, xla):
         # In replica context. The weight sum is global: replicas may hold
         # unequal (even empty) shards of a global batch.
         weight_sum = self._weight_sum.read_value()
         noise = self._noise_scale
         if noise is not None:
             # Before the update, from this replica's window.
-            statistics = noise.statistics(self._accumulators, weight_sum)
+            accumulators = self._accumulators
+            if xla:
+                accumulators = self._kept_in_loop(accumulators)
+            statistics = noise.statistics(accumulators, weight_sum)
         replicas = 1
         if tf.distribute.has_strategy():
             context = tf.distribute.get_replica_context()

@@ -232,6 +232,30 @@ class XlaApplyTest(tf.test.TestCase):
         self.assertIn("is-finite", hlo)
         self.assertNotIn("is-finite", _outside_loops(hlo))
 
+    def test_xla_keeps_the_window_norm_in_the_close(self):
+        # The noise scale's squared norm of the window reads only the
+        # accumulators, which the close's loop does not change: XLA hoisted
+        # it out of the loop, one more pass over them per micro-batch. The
+        # micro-batch's own norm (of the gradients) belongs outside.
+        variables = [tf.Variable(tf.ones([7919])), tf.Variable(tf.ones([3]))]
+        optimizer = keras.optimizers.SGD(0.1)
+        accumulator = GradientAccumulator(
+            variables, accum_steps=2, noise_scale=True
+        )
+        step = tf.function(
+            lambda g, h: accumulator.step([g, h], optimizer), jit_compile=True
+        )
+        grads = tf.ones([7919]), tf.ones([3])
+        for _ in range(4):
+            step(*grads)
+        self.assertEqual(int(accumulator.noise_scale.measurements), 2)
+        hlo = step.experimental_get_compiler_ir(*grads)(stage="optimized_hlo")
+        in_close = re.compile(r'op_name="[^"]*while/[^"]*L2Loss')
+        micro_batch = re.compile(r'op_name="L2Loss')
+        self.assertRegex(hlo, in_close)
+        self.assertRegex(_outside_loops(hlo), micro_batch)
+        self.assertNotRegex(_outside_loops(hlo), in_close)
+
 
 def _outside_loops(hlo):
     """The text of what an HLO module's entry runs outside any loop.
