@@ -421,14 +421,26 @@ class GradientAccumulator(tf.Module):
         # more at the end of an epoch of unknown length, and that call's
         # iterator runs dry. Ops that do not depend on the data (a counter's
         # increment) would still run in it; with this dependence none does,
-        # and the close (which reads the counter) waits too.
-        with tf.control_dependencies(_data_of(grads, weight)):
+        # and the close (which reads the counter) waits too. A gradient's
+        # own addition depends on it already and runs as soon as it exists,
+        # which frees it: only the other changes wait for all of them, so
+        # the window never holds a micro-batch's gradients all at once. A
+        # loss-scaled micro-batch must: its finite check reads them all.
+        data = _data_of(grads, weight)
+        with tf.control_dependencies(data if scaled else []):
             self._accumulate_after_data(
-                grads, weight, is_finite, optimizer, scaled, loss_scale, xla
+                grads,
+                weight,
+                is_finite,
+                optimizer,
+                scaled,
+                loss_scale,
+                xla,
+                data,
             )
 
     def _accumulate_after_data(
-        self, grads, weight, is_finite, optimizer, scaled, loss_scale, xla
+        self, grads, weight, is_finite, optimizer, scaled, loss_scale, xla, data
     ):
         if scaled and loss_scale is None:
             loss_scale = ADAPTER.applied_gradient_scale(optimizer)
@@ -453,7 +465,7 @@ class GradientAccumulator(tf.Module):
             if is_finite is not None:
                 finite = tf.logical_and(finite, is_finite)
             is_finite = finite
-        self._add(contributions, weight, is_finite, xla)
+        self._add(contributions, weight, is_finite, xla, data)
 
     def apply(self, optimizer, jit_compile=None):
         """Applies the weighted mean of what was accumulated, then zeroes.
@@ -484,8 +496,12 @@ class GradientAccumulator(tf.Module):
             )
         return grads
 
-    def _add(self, contributions, weight, is_finite, xla):
-        """Adds one micro-batch's float32 `w_k g_k` to the window."""
+    def _add(self, contributions, weight, is_finite, xla, data):
+        """Adds one micro-batch's float32 `w_k g_k` to the window.
+
+        `data`: the micro-batch's tensors that exist only once its data has
+        come; every change that does not read a contribution waits for them.
+        """
         # Python state, shared by the replicas' traces: only ever grows, and
         # every replica computes the same union, whatever the trace order.
         self._received = [
@@ -507,12 +523,8 @@ class GradientAccumulator(tf.Module):
                 dense.append((acc, c))
 
         def overwrite():
-            # Once per window, before anything of it can be saved.
-            self._received_flags.assign(received_flags)
             for acc, c in dense:
                 acc.assign(c)
-            for acc in absent + [acc for acc, _ in sparse]:
-                acc.assign(tf.zeros_like(acc))
             return tf.constant(True)
 
         def add_to():
@@ -520,12 +532,24 @@ class GradientAccumulator(tf.Module):
                 acc.assign_add(c)
             return tf.constant(True)
 
+        def start():
+            # Once per window, before anything of it can be saved. Not in
+            # `overwrite`: a control dependency inside a branch becomes an
+            # input of the whole conditional, and every addition would wait
+            # for all of the micro-batch's gradients.
+            self._received_flags.assign(received_flags)
+            for acc in absent + [acc for acc, _ in sparse]:
+                acc.assign(tf.zeros_like(acc))
+            return tf.constant(True)
+
         def add():
             tf.cond(first, overwrite, add_to)
+            with tf.control_dependencies(data):
+                tf.cond(first, start, lambda: tf.constant(False))
+                self._weight_sum.assign_add(weight)
+                self._contributed.assign_add(1)
             for acc, c in sparse:
                 acc.scatter_add(c)
-            self._weight_sum.assign_add(weight)
-            self._contributed.assign_add(1)
             if self._noise_scale is not None:
                 # Float32, unscaled, before any clipping; only what joins
                 # the window (a skipped micro-batch never gets here).
@@ -541,11 +565,13 @@ class GradientAccumulator(tf.Module):
         else:
 
             def skip():
-                self._skipped.assign_add(1)
+                with tf.control_dependencies(data):
+                    self._skipped.assign_add(1)
                 return tf.constant(False)
 
             tf.cond(is_finite, add, skip)
-        self._micro_step.assign_add(1)
+        with tf.control_dependencies(data):
+            self._micro_step.assign_add(1)
 
     # Out of it.
 

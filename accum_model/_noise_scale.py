@@ -267,7 +267,9 @@ class NoiseScaleEstimator(tf.Module):
             # empty shard) holds no sample.
             norm = squared_norm(contributions)
             self._q.assign_add(tf.math.divide_no_nan(norm, weight))
-            self._n.assign_add(tf.cast(weight > 0.0, tf.float32))
+            # After the data, as the window's counters (the norm reads it).
+            with tf.control_dependencies([norm]):
+                self._n.assign_add(tf.cast(weight > 0.0, tf.float32))
 
         if self.config.every == 1:
             fn()

@@ -1,6 +1,9 @@
 """GradientAccumulator, the engine, in custom training loops."""
 
+import os
 import re
+import subprocess
+import sys
 
 import numpy as np
 import tensorflow as tf
@@ -255,6 +258,57 @@ class XlaApplyTest(tf.test.TestCase):
         self.assertRegex(hlo, in_close)
         self.assertRegex(_outside_loops(hlo), micro_batch)
         self.assertNotRegex(_outside_loops(hlo), in_close)
+
+
+_LIFETIME_SCRIPT = """
+import os
+os.environ["TF_CPU_ALLOCATOR_USE_BFC"] = "true"  # keeps peak statistics
+import tensorflow as tf
+from accum_model import GradientAccumulator
+from accum_model._keras import keras
+
+layers = [keras.layers.Dense(1024, use_bias=False) for _ in range(16)]
+model = keras.Sequential([keras.Input((1024,))] + layers)
+optimizer = keras.optimizers.SGD(0.01)
+accumulator = GradientAccumulator(model.trainable_variables, accum_steps=2)
+
+
+@tf.function
+def step(x):
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_mean(tf.square(model(x)))
+    grads = tape.gradient(loss, model.trainable_variables)
+    return accumulator.step(grads, optimizer)
+
+
+x = tf.ones((2, 1024))
+step(x), step(x)
+tf.config.experimental.reset_memory_stats("CPU:0")
+step(x), step(x)
+print(tf.config.experimental.get_memory_info("CPU:0")["peak"])
+"""
+
+
+class GradientLifetimeTest(tf.test.TestCase):
+    def test_a_gradient_is_freed_once_added(self):
+        # 16 layers of 4 MiB: weights, accumulators and one micro-batch's
+        # gradients are 64 MiB each; activations at batch 2 are negligible.
+        # Each gradient is added as soon as the backward pass produces it,
+        # so the step never holds them all besides the accumulators. It did
+        # when every addition waited for the whole micro-batch's gradients.
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        result = subprocess.run(
+            [sys.executable, "-c", _LIFETIME_SCRIPT],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        self.assertEqual(result.returncode, 0, result.stderr[-3000:])
+        peak = int(result.stdout.split()[-1]) / 2**20
+        weights = accumulators = gradients = 64
+        self.assertGreater(peak, weights + accumulators)
+        self.assertLess(peak, weights + accumulators + gradients / 2)
 
 
 def _outside_loops(hlo):
