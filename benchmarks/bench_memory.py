@@ -27,13 +27,12 @@ they are alive). A configuration's peak is the largest of its windows' (how
 the two threads interleave a step's ops moves a window's peak by a few
 percent), its samples per second are over all of them.
 
-Then it fits the memory model of `docs/memory.md` per model: the static
-bytes (weights, gradients, optimizer slots, accumulators) from the variables'
-sizes and dtypes, which gradients are sparse from the tape, the activations
-per sample and a constant from the two plain runs of the first optimizer
-(the slope and intercept of peak against batch size; the other optimizers'
-rows are all predictions), and prints each row's prediction against its
-measurement, and the crossover: the
+Then it fits the memory model of `docs/memory.md` per model and optimizer:
+the static bytes (weights, gradients, optimizer slots, accumulators) from the
+variables' sizes and dtypes, which gradients are sparse from the tape, the
+activations per sample and a constant from the two plain runs (the slope and
+intercept of peak against batch size), and prints each row's prediction
+against its measurement, and the crossover: the
 smallest effective batch at which accumulating N micro-batches peaks lower
 than the plain large batch.
 
@@ -424,46 +423,34 @@ def label(row):
 
 
 def memory_model(rows):
-    """Fits the memory model per model; predicts every row.
+    """Fits the memory model per model and optimizer; predicts every row.
 
     A peak is the static bytes plus `a * b` (the activations of a micro-batch
     of `b` samples) plus a constant `c`. The static bytes come from the
-    variables' sizes (see `static_bytes`). `a` and `c` belong to the model,
-    not to its optimizer: they come from the two plain runs of the model's
-    first optimizer that has both, and every other row is predicted with
-    them, the plain runs of other optimizers included (only their slots
-    differ). Sets `predicted_bytes` on every row of a model that has a fit,
-    and `fitted` on the two rows the fit came from.
+    variables' sizes (see `static_bytes`). `a` and `c` come from the two
+    plain runs of the same model and optimizer. Sets `predicted_bytes` on
+    every row of a group that has both, and `fitted` on those two.
 
     Args:
         rows: The measured rows (dicts from `measure`), changed in place.
 
     Returns:
-        A list of dicts, one per model and optimizer of a fitted model: the
-        terms of the model, and for each N measured the smallest effective
-        batch at which accumulating (AccumModel, built-in) peaks below the
-        plain large batch.
+        A list of dicts, one per model and optimizer with both plain runs:
+        the terms of the model, and for each N measured the smallest
+        effective batch at which accumulating (AccumModel, built-in) peaks
+        below the plain large batch.
     """
     fits = []
     groups = {}
     for row in rows:
-        groups.setdefault(row["model"], {}).setdefault(
-            row["optimizer"], []
-        ).append(row)
-    for model, by_optimizer in groups.items():
-        fit = None
-        for group in by_optimizer.values():
-            by = {label(r): r for r in group}
-            if (
-                "plain_E" in by
-                and "plain_B" in by
-                and by["plain_E"]["micro_batch"] != by["plain_B"]["micro_batch"]
-            ):
-                fit = by["plain_E"], by["plain_B"]
-                break
-        if fit is None:
+        groups.setdefault((row["model"], row["optimizer"]), []).append(row)
+    for (model, optimizer), group in groups.items():
+        by = {label(r): r for r in group}
+        if "plain_E" not in by or "plain_B" not in by:
             continue
-        large, small = fit
+        large, small = by["plain_E"], by["plain_B"]
+        if large["micro_batch"] == small["micro_batch"]:
+            continue
         per_sample = (large["peak_bytes"] - small["peak_bytes"]) / (
             large["micro_batch"] - small["micro_batch"]
         )
@@ -472,71 +459,75 @@ def memory_model(rows):
             - static_bytes(small)
             - per_sample * small["micro_batch"]
         )
-        for optimizer, group in by_optimizer.items():
-            for r in group:
-                r["predicted_bytes"] = (
-                    static_bytes(r) + per_sample * r["micro_batch"] + constant
-                )
-                r["fitted"] = r is large or r is small
-            first = group[0]
-            gradients = first["trainable_bytes"]
-            sparse = first.get("sparse_gradient_bytes", 0)
-            accumulators = max(
-                (r["accumulator_bytes"] for r in group if r["run"] == "accum"),
-                default=gradients,
+        for r in group:
+            r["predicted_bytes"] = (
+                static_bytes(r) + per_sample * r["micro_batch"] + constant
             )
-            ns = sorted(
-                {r["accum_steps"] for r in group if r["run"] != "plain_E"}
-            )
+            r["fitted"] = r is large or r is small
+        gradients = large["trainable_bytes"]
+        sparse = large.get("sparse_gradient_bytes", 0)
+        held = PLAIN_GRADIENT_COPIES[optimizer] * (gradients - sparse)
+        accumulators = max(
+            (r["accumulator_bytes"] for r in group if r["run"] == "accum"),
+            default=gradients,
+        )
+        ns = sorted({r["accum_steps"] for r in group if r["run"] != "plain_E"})
 
-            def crossover(extra):
-                # Accumulating N saves memory once the activations of the N - 1
-                # micro-batches it avoids, a * E * (1 - 1/N), outweigh what it
-                # holds in addition to plain fit.
-                return {
-                    n: max(extra, 0) / (per_sample * (1 - 1 / n))
-                    for n in ns
-                    if n > 1 and per_sample > 0
-                }
+        def crossover(extra):
+            # Accumulating N saves memory once the activations of the N - 1
+            # micro-batches it avoids, a * E * (1 - 1/N), outweigh what it
+            # holds in addition to plain fit.
+            return {
+                n: max(extra, 0) / (per_sample * (1 - 1 / n))
+                for n in ns
+                if n > 1 and per_sample > 0
+            }
 
-            dense = gradients - sparse
-            fits.append(
-                {
-                    "model": model,
-                    "optimizer": optimizer,
-                    "fitted_on": large["optimizer"],
-                    "weight_bytes": first["weight_bytes"],
-                    "gradient_bytes": gradients,
-                    "sparse_gradient_bytes": sparse,
-                    "optimizer_slot_bytes": max(
-                        r["optimizer_slot_bytes"] for r in group
-                    ),
-                    "accumulator_bytes": accumulators,
-                    "activation_bytes_per_sample": per_sample,
-                    "constant_bytes": constant,
-                    "crossover_effective_batch": {
-                        "accum": crossover(accumulators - dense),
-                        "builtin": crossover(accumulators + gradients),
-                    },
-                    "effective_batch": large["micro_batch"],
-                }
-            )
+        fits.append(
+            {
+                "model": model,
+                "optimizer": optimizer,
+                "weight_bytes": large["weight_bytes"],
+                "gradient_bytes": gradients,
+                "sparse_gradient_bytes": sparse,
+                "plain_gradient_bytes": held,
+                "optimizer_slot_bytes": large["optimizer_slot_bytes"],
+                "accumulator_bytes": accumulators,
+                "activation_bytes_per_sample": per_sample,
+                "constant_bytes": constant,
+                "crossover_effective_batch": {
+                    "accum": crossover(accumulators - held),
+                    "builtin": crossover(accumulators + gradients),
+                },
+                "effective_batch": large["micro_batch"],
+            }
+        )
     return fits
+
+
+# How many copies of the dense gradients plain fit holds at its peak, per
+# optimizer. Keras updates each variable as soon as its gradient exists, in
+# the backward pass. SGD's update is one multiply-subtract that frees the
+# gradient; AdamW's builds new moments and a step, temporaries the size of
+# the variable, for many variables at once: about one more copy.
+PLAIN_GRADIENT_COPIES = {"adamw": 1, "sgd": 0}
 
 
 def static_bytes(row):
     """Weights, optimizer slots, accumulators, and gradients alive at once.
 
-    Plain fit holds every dense gradient until the optimizer runs; a sparse
+    Plain fit holds `PLAIN_GRADIENT_COPIES` of the dense gradients; a sparse
     one (the looked-up rows of an embedding) grows with the batch and counts
-    with the activations. The built-in option also builds `g + acc`, dense,
-    for every variable before it stores the first. `AccumModel` adds each
-    gradient into its accumulator as the backward pass produces it, so its
-    gradients never all live at once; its accumulators are dense.
+    with the activations. The built-in option holds its optimizer's copies
+    and builds `g + acc`, dense, for every variable before it stores the
+    first. `AccumModel` adds each gradient into its accumulator as the
+    backward pass produces it, which frees it, and runs the optimizer after
+    the backward pass; its accumulators are dense.
     """
     dense = row["trainable_bytes"] - row.get("sparse_gradient_bytes", 0)
-    gradients = {"accum": 0, "builtin": dense + row["trainable_bytes"]}.get(
-        row["run"], dense
+    held = PLAIN_GRADIENT_COPIES[row["optimizer"]] * dense
+    gradients = {"accum": 0, "builtin": held + row["trainable_bytes"]}.get(
+        row["run"], held
     )
     return (
         row["weight_bytes"]
@@ -590,8 +581,9 @@ def format_rows(rows):
 def format_fits(fits):
     """The memory model's terms and crossovers as a Markdown table."""
     lines = [
-        "| model | optimizer | weights | gradients (sparse) | "
-        "optimizer slots | accumulators | activations / sample | constant | "
+        "| model | optimizer | weights | gradients (sparse; plain fit "
+        "holds) | optimizer slots | accumulators | activations / sample | "
+        "constant | "
         "AccumModel saves memory from E = | built-in saves memory from E = |",
         "|---" * 10 + "|",
     ]
@@ -607,7 +599,8 @@ def format_fits(fits):
         lines.append(
             f"| {f['model']} | {f['optimizer']} | {_mib(f['weight_bytes'])} | "
             f"{_mib(f['gradient_bytes'])} "
-            f"({_mib(f.get('sparse_gradient_bytes', 0))}) | "
+            f"({_mib(f.get('sparse_gradient_bytes', 0))}; "
+            f"{_mib(f['plain_gradient_bytes'])}) | "
             f"{_mib(f['optimizer_slot_bytes'])} | "
             f"{_mib(f['accumulator_bytes'])} | "
             f"{f['activation_bytes_per_sample'] / MIB:,.1f} | "

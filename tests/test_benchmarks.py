@@ -246,6 +246,10 @@ class BenchMemoryTest(tf.test.TestCase):
                 **kwargs,
             )
 
+        # SGD frees each gradient in its update: plain fit holds none at its
+        # peak, so its static bytes are the weights alone (1000), the same a
+        # and c follow from 1600 and 1300, and AccumModel adds its
+        # accumulators: 1000 + 100 + 2 * 50 + 200 = 1400.
         sgd = dict(optimizer="sgd", optimizer_slot_bytes=0)
         # Model "s": 40 of its 100 trainable bytes get a sparse gradient, so
         # plain fit holds 60 dense ones: static 3060, the same a and c as
@@ -256,9 +260,9 @@ class BenchMemoryTest(tf.test.TestCase):
             row("plain_B", 2, 1, 3400),
             row("accum", 2, 4, 3410, 100),
             row("builtin", 2, 4, 3600, 100),
-            # SGD: no slots; a and c come from AdamW's plain runs, so this
-            # is a prediction: 1000 + 100 + 8 * 50 + 200 = 1700.
-            row("plain_E", 8, 1, 1734, **sgd),
+            row("plain_E", 8, 1, 1600, **sgd),
+            row("plain_B", 2, 1, 1300, **sgd),
+            row("accum", 2, 4, 1414, 100, **sgd),
             row("plain_E", 8, 1, 3660, **sparse),
             row("plain_B", 2, 1, 3360, **sparse),
             # 1000 + 2000 + 100 + 2 * 50 + 200 = 3400.
@@ -266,23 +270,25 @@ class BenchMemoryTest(tf.test.TestCase):
         ]
         path = os.path.join(tempfile.mkdtemp(), "rows.json")
         with open(path, "w") as f:
-            json.dump({"rows": rows[:5]}, f)
+            json.dump({"rows": rows[:7]}, f)
         other = os.path.join(tempfile.mkdtemp(), "rows.json")
         with open(other, "w") as f:
-            json.dump({"rows": rows[5:]}, f)
+            json.dump({"rows": rows[7:]}, f)
         result = _run_benchmark("bench_memory.py", f"--report={path},{other}")
         self.assertEqual(result.returncode, 0, result.stderr[-3000:])
         # Bytes print as MiB; the error column is exact.
         self.assertIn("| m | adamw | accum_4 | 2 |", result.stdout)
         self.assertIn("| -0.3% |", result.stdout)  # 3400 against 3410
         self.assertIn("| +0.0% |", result.stdout)  # builtin: 3600
-        self.assertIn("| -2.0% |", result.stdout)  # SGD: 1700 against 1734
+        self.assertIn("| -1.0% |", result.stdout)  # SGD: 1400 against 1414
         self.assertIn("| -1.2% |", result.stdout)  # sparse: 3400 against 3440
         # The built-in option saves from E = 200 / (50 * 3/4) = 5.3;
-        # AccumModel holds nothing more than plain fit here, and 40 more
-        # where 40 bytes of gradients are sparse: 40 / (50 * 3/4) = 1.1.
+        # AccumModel holds nothing more than plain fit with AdamW, 40 more
+        # where 40 bytes of gradients are sparse (40 / (50 * 3/4) = 1.1),
+        # and its accumulators more with SGD (100 / (50 * 3/4) = 2.7).
         self.assertIn("| 0.0 (N=4) | 5.3 (N=4) |", result.stdout)
         self.assertIn("| 1.1 (N=4) | 5.3 (N=4) |", result.stdout)
+        self.assertIn("| 2.7 (N=4) | 5.3 (N=4) |", result.stdout)
 
 
 if __name__ == "__main__":
