@@ -255,6 +255,7 @@ class BenchMemoryTest(tf.test.TestCase):
         # plain fit holds 60 dense ones: static 3060, the same a and c as
         # "m", and AccumModel 40 above plain at its micro-batch.
         sparse = dict(model="s", sparse_gradient_bytes=40)
+        xla = dict(model="x", jit_compile="true")
         rows = [
             row("plain_E", 8, 1, 3700),
             row("plain_B", 2, 1, 3400),
@@ -267,6 +268,12 @@ class BenchMemoryTest(tf.test.TestCase):
             row("plain_B", 2, 1, 3360, **sparse),
             # 1000 + 2000 + 100 + 2 * 50 + 200 = 3400.
             row("accum", 2, 4, 3440, 100, **sparse),
+            # Under XLA AccumModel holds plain fit's gradient copy besides
+            # its accumulators: a = 40, c = 200 from 3620 and 3380, so
+            # 1000 + 2000 + 100 + 100 + 2 * 40 + 200 = 3480.
+            row("plain_E", 8, 1, 3620, **xla),
+            row("plain_B", 2, 1, 3380, **xla),
+            row("accum", 2, 4, 3550, 100, **xla),
         ]
         path = os.path.join(tempfile.mkdtemp(), "rows.json")
         with open(path, "w") as f:
@@ -282,6 +289,7 @@ class BenchMemoryTest(tf.test.TestCase):
         self.assertIn("| +0.0% |", result.stdout)  # builtin: 3600
         self.assertIn("| -1.0% |", result.stdout)  # SGD: 1400 against 1414
         self.assertIn("| -1.2% |", result.stdout)  # sparse: 3400 against 3440
+        self.assertIn("| -2.0% |", result.stdout)  # XLA: 3480 against 3550
         # The built-in option saves from E = 200 / (50 * 3/4) = 5.3;
         # AccumModel holds nothing more than plain fit with AdamW, 40 more
         # where 40 bytes of gradients are sparse (40 / (50 * 3/4) = 1.1),
@@ -289,6 +297,9 @@ class BenchMemoryTest(tf.test.TestCase):
         self.assertIn("| 0.0 (N=4) | 5.3 (N=4) |", result.stdout)
         self.assertIn("| 1.1 (N=4) | 5.3 (N=4) |", result.stdout)
         self.assertIn("| 2.7 (N=4) | 5.3 (N=4) |", result.stdout)
+        # Under XLA it holds its accumulators more: 100 / (40 * 3/4) = 3.3;
+        # the built-in option 200 / 30 = 6.7.
+        self.assertIn("| 3.3 (N=4) | 6.7 (N=4) |", result.stdout)
 
 
 if __name__ == "__main__":
