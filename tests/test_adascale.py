@@ -199,6 +199,30 @@ class GainTest(tf.test.TestCase, parameterized.TestCase):
         self.assertEqual(float(r), 0.0)
 
 
+def _frozen_gains(sizes, base_batch, windows, compile_model):
+    """Fits `windows` windows of `sizes` at frozen weights; the gains.
+
+    Returns:
+        The model and the gain of each window, in order.
+    """
+    x, y = problem.data()
+    xs, ys, _ = problem.window_data(x, y, sizes, windows)
+    model = _linear_model(
+        accum_steps=len(sizes),
+        noise_scale=accum_model.NoiseScale(beta=0.998),
+        adascale=AdaScale(base_batch),
+    )
+    compile_model(model)
+    recorder = _GainRecorder(len(sizes))
+    model.fit(
+        _micro_batches(xs, ys, sizes),
+        shuffle=False,
+        verbose=0,
+        callbacks=[recorder],
+    )
+    return model, recorder.gains
+
+
 class PopulationGainTest(tf.test.TestCase, parameterized.TestCase):
     """At frozen weights (learning rate 0) the gain is a fixed number."""
 
@@ -207,35 +231,22 @@ class PopulationGainTest(tf.test.TestCase, parameterized.TestCase):
         ("unequal", (12, 5, 9, 2, 7), 5),
     )
     def test_gain_is_the_population_gain(self, sizes, base_batch):
-        x, y = problem.data()
         windows = 1200
-        xs, ys, _ = problem.window_data(x, y, sizes, windows)
-        model = _linear_model(
-            accum_steps=len(sizes),
-            noise_scale=accum_model.NoiseScale(beta=0.998),
-            adascale=AdaScale(base_batch),
+        model, gains = _frozen_gains(
+            sizes,
+            base_batch,
+            windows,
+            lambda m: m.compile(keras.optimizers.SGD(0.0), "mse"),
         )
-        model.compile(keras.optimizers.SGD(learning_rate=0.0), "mse")
-        recorder = _GainRecorder(len(sizes))
-        model.fit(
-            _micro_batches(xs, ys, sizes),
-            shuffle=False,
-            verbose=0,
-            callbacks=[recorder],
-        )
-        self.assertLen(recorder.gains, windows)
+        self.assertLen(gains, windows)
         expected = _population_gain(base_batch, sum(sizes))
         # beta=0.998 averages about the last 500 windows; the estimate's
         # spread over such a span is a few percent of the gain's distance
         # from 1.
-        self.assertAllClose(recorder.gains[-1], expected, rtol=0.03)
-        self.assertAllClose(
-            np.mean(recorder.gains[windows // 2 :]), expected, rtol=0.03
-        )
+        self.assertAllClose(gains[-1], expected, rtol=0.03)
+        self.assertAllClose(np.mean(gains[windows // 2 :]), expected, rtol=0.03)
         # tau counts the gains.
-        self.assertAllClose(
-            model.adascale_tau, np.sum(recorder.gains), rtol=1e-6
-        )
+        self.assertAllClose(model.adascale_tau, np.sum(gains), rtol=1e-6)
 
     def test_each_gain_is_the_rule_on_exact_gradients(self):
         # Window by window, the gain of the smoothed estimates computed here
@@ -501,27 +512,13 @@ class MixedPrecisionTest(tf.test.TestCase):
         # The estimate reads gradients unscaled in float32: the gain is the
         # float32 problem's population gain (float16 inputs round by 1e-3).
         sizes, base_batch, windows = (4, 4, 4, 4), 4, 1200
-        x, y = problem.data()
-        xs, ys, _ = problem.window_data(x, y, sizes, windows)
-        model = _linear_model(
-            accum_steps=len(sizes),
-            noise_scale=accum_model.NoiseScale(beta=0.998),
-            adascale=AdaScale(base_batch),
+        model, gains = _frozen_gains(
+            sizes, base_batch, windows, lambda m: self._compile(m, 0.0)
         )
-        self._compile(model, 0.0)
-        recorder = _GainRecorder(len(sizes))
-        model.fit(
-            _micro_batches(xs, ys, sizes),
-            shuffle=False,
-            verbose=0,
-            callbacks=[recorder],
-        )
-        self.assertLen(recorder.gains, windows)
+        self.assertLen(gains, windows)
         self.assertEqual(model.skipped_microbatches, 0)
         expected = _population_gain(base_batch, sum(sizes))
-        self.assertAllClose(
-            np.mean(recorder.gains[windows // 2 :]), expected, rtol=0.03
-        )
+        self.assertAllClose(np.mean(gains[windows // 2 :]), expected, rtol=0.03)
 
 
 class CustomLoopTest(tf.test.TestCase, parameterized.TestCase):
