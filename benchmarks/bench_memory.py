@@ -467,14 +467,23 @@ def memory_model(rows):
             )
             r["fitted"] = r is large or r is small
         gradients = large["trainable_bytes"]
-        sparse = large.get("sparse_gradient_bytes", 0)
-        held = PLAIN_GRADIENT_COPIES[optimizer] * (gradients - sparse)
-        # What AccumModel holds that plain fit does not (see static_bytes).
-        xla = large.get("jit_compile", "false") == "true"
         accumulators = max(
             (r["accumulator_bytes"] for r in group if r["run"] == "accum"),
             default=gradients,
         )
+
+        def holds(run):
+            # Beside the weights and slots, at this model's sizes.
+            r = dict(large, run=run, accumulator_bytes=accumulators)
+            if run.startswith("plain"):
+                r["accumulator_bytes"] = 0
+            return (
+                static_bytes(r)
+                - large["weight_bytes"]
+                - large["optimizer_slot_bytes"]
+            )
+
+        held = holds("plain_E")
         ns = sorted({r["accum_steps"] for r in group if r["run"] != "plain_E"})
 
         def crossover(extra):
@@ -493,15 +502,15 @@ def memory_model(rows):
                 "optimizer": optimizer,
                 "weight_bytes": large["weight_bytes"],
                 "gradient_bytes": gradients,
-                "sparse_gradient_bytes": sparse,
+                "sparse_gradient_bytes": large.get("sparse_gradient_bytes", 0),
                 "plain_gradient_bytes": held,
                 "optimizer_slot_bytes": large["optimizer_slot_bytes"],
                 "accumulator_bytes": accumulators,
                 "activation_bytes_per_sample": per_sample,
                 "constant_bytes": constant,
                 "crossover_effective_batch": {
-                    "accum": crossover(accumulators - (0 if xla else held)),
-                    "builtin": crossover(accumulators + gradients),
+                    "accum": crossover(holds("accum") - held),
+                    "builtin": crossover(holds("builtin") - held),
                 },
                 "effective_batch": large["micro_batch"],
             }
