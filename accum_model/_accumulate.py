@@ -14,7 +14,6 @@ from accum_model import _construction
 from accum_model import _keras
 from accum_model import _noise_scale
 from accum_model._model import AccumModel
-from accum_model._model import init_accumulation
 from accum_model._validation import check_accum_steps
 from accum_model._validation import check_epoch_end
 
@@ -106,7 +105,7 @@ def accumulate(
         epoch_end = check_epoch_end(epoch_end)
     if isinstance(model, AccumModel):
         new_noise = (
-            model.noise_scale
+            model._noise_scale
             if noise_scale is _UNSET
             else _noise_scale.as_config(noise_scale)
         )
@@ -116,15 +115,7 @@ def accumulate(
             else _adascale.as_config(adascale)
         )
         # Checked first: nothing changes when either is refused.
-        _adascale.measurement_for(new_adascale, new_noise)
-        if model.gradient_accumulator is not None and (
-            new_noise != model.noise_scale or new_adascale != model.adascale
-        ):
-            model.noise_scale = new_noise
-            model.adascale = new_adascale
-        # Both are compatible here, whichever goes first.
-        model._noise_scale = new_noise
-        model._adascale = new_adascale
+        model._set_measurement(new_noise, new_adascale)
         model.accum_steps = accum_steps
         if epoch_end is not _UNSET:
             model.epoch_end = epoch_end
@@ -137,7 +128,7 @@ def accumulate(
     adascale = _adascale.as_config(None if adascale is _UNSET else adascale)
     _adascale.measurement_for(adascale, noise_scale)
     model.__class__ = _accumulating_class(type(model))
-    init_accumulation(model, accum_steps, epoch_end, noise_scale, adascale)
+    model._init_accumulation(accum_steps, epoch_end, noise_scale, adascale)
     # Traced with the class's own `train_step`; `fit` makes a new one.
     model.train_function = None
     return model

@@ -27,13 +27,11 @@ import tensorflow as tf
 
 from accum_model import _keras
 from accum_model import _noise_scale
+from accum_model import _state
 from accum_model._validation import SettingConfig
 from accum_model._validation import as_setting
 
 ADAPTER = _keras.ADAPTER
-
-_ON_READ = tf.VariableSynchronization.ON_READ
-_FIRST = tf.VariableAggregation.ONLY_FIRST_REPLICA
 
 
 class AdaScale(SettingConfig):
@@ -232,29 +230,22 @@ class AdaScaleState(tf.Module):
         name: Optional name of the module.
     """
 
-    def __init__(self, config, name=None):
+    def __init__(self, config, state=None, name=None):
         super().__init__(name=name or "adascale")
         self.config = config
-        with tf.init_scope(), tf.name_scope(self.name):
-            # Equal on every replica: each computes them from all-reduced
-            # values.
-            self._tau = self._variable("tau", 0.0, tf.float64)
-            self._gain = self._variable("gain", 1.0)
-            self._lr = self._variable("learning_rate", 0.0)
-
-    def _variable(self, name, initial, dtype=tf.float32):
-        return tf.Variable(
-            initial,
-            dtype=dtype,
-            trainable=False,
-            name=name,
-            synchronization=_ON_READ,
-            aggregation=_FIRST,
+        if state is None:
+            state = _state.WindowState()
+        # Equal on every replica: each computes them from all-reduced values.
+        v = state.declare_group("adascale", _state.ADASCALE)
+        self._tau, self._gain, self._lr = (
+            v["tau"],
+            v["gain"],
+            v["learning_rate"],
         )
 
     @property
     def state_variables(self):
-        """Every variable of the state, in a fixed order."""
+        """Every variable of the state (`_state.ADASCALE`'s order)."""
         return [self._tau, self._gain, self._lr]
 
     def factor(self, estimator, weight, optimizer):

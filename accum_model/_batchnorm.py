@@ -17,6 +17,7 @@ activations, exactly.
 import tensorflow as tf
 
 from accum_model import _keras
+from accum_model import _state
 
 ADAPTER = _keras.ADAPTER
 keras = _keras.keras
@@ -27,28 +28,16 @@ ops = getattr(keras, "ops", None)
 class _WindowMoments:
     """Count, mean and variance of the activations seen in the open window.
 
-    Plain `tf.Variable`s in a plain object: Keras neither counts them as
-    weights (so weights transfer 1:1 with `BatchNormalization`) nor locks the
-    built layer against them. Under `tf.distribute` they are per-replica.
+    Variables of the accumulator's state (`_state.BATCHNORM`), not of the
+    layer: Keras neither counts them as weights (so weights transfer 1:1
+    with `BatchNormalization`) nor locks the built layer against them.
+    Under `tf.distribute` they are per-replica.
     """
 
-    def __init__(self, channels, dtype, name):
-        def variable(suffix):
-            return tf.Variable(
-                tf.zeros((channels,), dtype),
-                trainable=False,
-                name=f"{name}/window_{suffix}",
-                synchronization=tf.VariableSynchronization.ON_READ,
-                aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
-            )
-
-        self.count = variable("count")
-        self.mean = variable("mean")
-        self.variance = variable("variance")
-
-    @property
-    def variables(self):
-        return [self.count, self.mean, self.variance]
+    def __init__(self, variables):
+        self.count = variables["count"]
+        self.mean = variables["mean"]
+        self.variance = variables["variance"]
 
     def add(self, count, mean, variance):
         """Merges one batch's moments into the window (parallel formula).
@@ -78,10 +67,6 @@ class _WindowMoments:
         )
         self.mean.assign(w_a * mean_a + w_b * mean)
         self.count.assign(total)
-
-    def reset(self):
-        for v in self.variables:
-            v.assign(tf.zeros_like(v))
 
 
 class AccumBatchNormalization(keras.layers.BatchNormalization):
@@ -138,23 +123,20 @@ class AccumBatchNormalization(keras.layers.BatchNormalization):
         """
         if not self.built:
             return
-        if self._accum_window is None:
-            with tf.init_scope():
-                self._accum_window = _WindowMoments(
-                    self.moving_mean.shape[0],
-                    _window_dtype(self.moving_mean.dtype),
-                    self.name,
-                )
-        else:
-            # A new accumulator (the trainable variables changed) opens a
-            # new window; the old one is discarded as the gradients are.
-            with tf.init_scope():
-                self._accum_window.reset()
-        self._accum_managed = True
-        accumulator.add_apply_hook(
-            self._update_moving_from_window,
-            state=self._accum_window.variables,
+        # A new accumulator (the trainable variables changed) opens a new
+        # window with new variables; the old one is discarded as the
+        # gradients are.
+        self._accum_window = _WindowMoments(
+            accumulator.state.declare_item(
+                "batchnorm",
+                self.name,
+                _state.BATCHNORM,
+                shape=(self.moving_mean.shape[0],),
+                dtype=_window_dtype(self.moving_mean.dtype),
+            )
         )
+        self._accum_managed = True
+        accumulator.add_apply_hook(self._update_moving_from_window)
 
     def call(self, inputs, training=None, mask=None):
         if not (self._accum_managed and training and self.trainable):

@@ -100,51 +100,28 @@ def run_if(pred, fn, xla):
     tf.cond(pred, branch, lambda: tf.constant(False))
 
 
-def close_if(pred, apply_if, apply_fn, then, check, on_failed_check, xla):
-    """When `pred`: `apply_fn()` if `apply_if()` and `check()`, then `then()`.
+def run_in_replicas_if(pred, fn, xla):
+    """Runs `fn()` (no outputs) in each replica when `pred` holds.
 
-    Safe when `apply_fn` all-reduces: under a strategy both conditions are
-    taken in cross-replica context, so they are equal on every replica, and
-    the functions run back in each replica. `apply_if`, `check` and `then`
-    run only when `pred` holds.
+    For a branch that all-reduces (a window's close): under a strategy the
+    condition is taken once, in cross-replica context, from the first
+    replica's `pred`, and `fn` runs back in each replica. Elsewhere it is
+    `run_if`.
 
     Args:
         pred: Bool scalar tensor, equal on every replica.
-        apply_if: Callable returning a bool scalar tensor.
-        apply_fn: Callable without arguments or outputs.
-        then: Callable without arguments or outputs.
-        check: Callable run in each replica when `apply_if()` holds,
-            returning a bool scalar tensor that is equal on every replica
-            (all-reduced); `apply_fn` runs only when it holds.
-        on_failed_check: Callable run in each replica instead of `apply_fn`
-            when `check()` does not hold.
+        fn: Callable without arguments or outputs, called in replica
+            context.
         xla: Bool. Whether the graph is compiled by XLA.
     """
-
-    def close(in_replicas, first):
-        def apply_checked():
-            passed = first(in_replicas(check))
-            run_if(passed, lambda: in_replicas(apply_fn), xla)
-            run_if(
-                tf.logical_not(passed),
-                lambda: in_replicas(on_failed_check),
-                xla,
-            )
-
-        run_if(apply_if(), apply_checked, xla)
-        in_replicas(then)
-
     if not in_replica_context_of_strategy():
-        run_if(pred, lambda: close(lambda fn: fn(), lambda v: v), xla)
+        run_if(pred, fn, xla)
         return
 
     def merge_fn(strategy, pred):
         run_if(
             first_replica(strategy, pred),
-            lambda: close(
-                strategy.extended.call_for_each_replica,
-                lambda v: first_replica(strategy, v),
-            ),
+            lambda: strategy.extended.call_for_each_replica(fn),
             xla,
         )
 

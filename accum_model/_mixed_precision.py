@@ -28,7 +28,7 @@ import tensorflow as tf
 from accum_model import _control_flow
 
 
-def all_replicas_finite(grads):
+def all_replicas_finite(grads, counts=True):
     """Bool scalar: whether every gradient on every replica is finite.
 
     Each replica counts its non-finite gradient tensors and, under a
@@ -40,20 +40,40 @@ def all_replicas_finite(grads):
 
     Args:
         grads: List of gradients (tensors, `tf.IndexedSlices` or `None`).
+        counts: Bool scalar: whether this replica's gradients count (a
+            micro-batch of weight 0 adds nothing, so its NaN does not).
 
     Returns:
         A bool scalar tensor.
     """
-    flags = []
-    for g in grads:
-        if g is None:
-            continue
-        values = g.values if isinstance(g, tf.IndexedSlices) else g
-        flags.append(tf.reduce_all(tf.math.is_finite(values)))
-    if not flags:
-        return tf.constant(True)
+    values = [
+        g.values if isinstance(g, tf.IndexedSlices) else g
+        for g in grads
+        if g is not None
+    ]
+    bad = non_finite_count(values)
+    if counts is not True:
+        bad = tf.where(counts, bad, 0.0)
+    return none_on_any_replica(bad)
+
+
+def non_finite_count(tensors):
+    """Float32 scalar: how many of `tensors` hold an inf or NaN."""
+    if not tensors:
+        return tf.constant(0.0)
     # float32: every cross-device all-reduce implementation supports it.
-    bad = tf.add_n([tf.cast(tf.logical_not(f), tf.float32) for f in flags])
+    return tf.add_n(
+        [
+            tf.cast(
+                tf.logical_not(tf.reduce_all(tf.math.is_finite(t))), tf.float32
+            )
+            for t in tensors
+        ]
+    )
+
+
+def none_on_any_replica(bad):
+    """Bool scalar: whether the count `bad` is 0 summed over the replicas."""
     if _control_flow.in_replica_context_of_strategy():
         bad = tf.distribute.get_replica_context().all_reduce(
             tf.distribute.ReduceOp.SUM, bad

@@ -117,7 +117,21 @@ class AccumModel(
         else:
             self.__class__ = ADAPTER.non_functional_base(type(self))
             super().__init__(*args, **kwargs)
-        init_accumulation(self, accum_steps, epoch_end, noise_scale, adascale)
+        self._init_accumulation(accum_steps, epoch_end, noise_scale, adascale)
+
+    def _init_accumulation(self, accum_steps, epoch_end, noise_scale, adascale):
+        """What `__init__` gives a model; `accumulate` gives it to one too.
+
+        Args:
+            accum_steps: Int >= 1, checked.
+            epoch_end: Str, checked.
+            noise_scale: A `NoiseScale`, or None.
+            adascale: An `AdaScale`, or None; checked against `noise_scale`.
+        """
+        self._init_settings(accum_steps, epoch_end, noise_scale, adascale)
+        self._accum_state = TrainingState(self)
+        self._flush_function = None
+        self._flush_accumulator = lambda: None
 
     @property
     def gradient_accumulator(self):
@@ -236,11 +250,11 @@ class AccumModel(
             # gradient element), except under loss scaling: there it could
             # push float16 gradients into overflow, so the accumulator
             # multiplies it in float32 as it unscales.
-            loss_scale = (
-                ADAPTER.loss_scale(self.optimizer) if scaling else weight
-            )
+            loss_scale = ADAPTER.loss_scale(self.optimizer) if scaling else None
             objective = ADAPTER.unscale_loss_for_distribution(loss)
-            objective = objective * tf.cast(loss_scale, objective.dtype)
+            objective = objective * tf.cast(
+                loss_scale if scaling else weight, objective.dtype
+            )
 
         # Compute gradients, accumulate, apply once the window is full.
         logs = {}
@@ -253,6 +267,7 @@ class AccumModel(
                 weight=weight,
                 loss_scale=loss_scale,
                 jit_compile=bool(self.jit_compile),
+                weight_in_loss=not scaling,
             )
             logs = _window_logs(accumulator, scaling)
         else:
@@ -324,27 +339,6 @@ class AccumModel(
 
 
 AccumModel = ADAPTER.register_serializable(AccumModel)
-
-
-def init_accumulation(
-    model, accum_steps, epoch_end, noise_scale=None, adascale=None
-):
-    """Gives `model` what `AccumModel.__init__` gives one (for `accumulate`).
-
-    Args:
-        model: A Keras model whose class derives from `AccumModel`.
-        accum_steps: Int >= 1, checked.
-        epoch_end: Str, checked.
-        noise_scale: A `NoiseScale`, or None.
-        adascale: An `AdaScale`, or None; checked against `noise_scale`.
-    """
-    model._accum_steps = accum_steps
-    model._epoch_end = epoch_end
-    model._noise_scale = noise_scale
-    model._adascale = adascale
-    model._accum_state = TrainingState(model)
-    model._flush_function = None
-    model._flush_accumulator = lambda: None
 
 
 def training_state(model):

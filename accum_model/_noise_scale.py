@@ -32,16 +32,10 @@ import numbers
 
 import tensorflow as tf
 
+from accum_model import _state
 from accum_model._validation import SettingConfig
 from accum_model._validation import as_setting
 from accum_model._validation import check_integer
-
-_ON_READ = tf.VariableSynchronization.ON_READ
-_SUM = tf.VariableAggregation.SUM
-_FIRST = tf.VariableAggregation.ONLY_FIRST_REPLICA
-
-# How many float32 scalars each replica adds to the weight-sum all-reduce.
-NUM_STATISTICS = 4
 
 
 class NoiseScale(SettingConfig):
@@ -198,34 +192,28 @@ class NoiseScaleEstimator(tf.Module):
         name: Optional name of the module.
     """
 
-    def __init__(self, config, name=None):
+    def __init__(self, config, state=None, name=None):
         super().__init__(name=name or "noise_scale")
         self.config = config
-        with tf.init_scope(), tf.name_scope(self.name):
-            # This replica's part of the open window.
-            self._q = self._variable("squared_norm_sum", 0.0, _SUM)
-            self._n = self._variable("micro_batches", 0.0, _SUM)
-            # Windows closed since the start (measured or not): which ones
-            # to measure.
-            self._windows = self._variable("windows", 0, _FIRST, tf.int64)
-            # Smoothed over measured windows; equal on every replica.
-            self._measurements = self._variable("measurements", 0.0)
-            self._ema_trace = self._variable("ema_trace_sigma", 0.0)
-            self._ema_grad_sq = self._variable("ema_grad_sq_norm", 0.0)
-            self._ema_weight = self._variable("ema_window_weight", 0.0)
-            self._ema_micro = self._variable("ema_micro_batch_weight", 0.0)
-            self._last_trace = self._variable("last_trace_sigma", 0.0)
-            self._last_grad_sq = self._variable("last_grad_sq_norm", 0.0)
-
-    def _variable(self, name, initial, aggregation=_FIRST, dtype=tf.float32):
-        return tf.Variable(
-            initial,
-            dtype=dtype,
-            trainable=False,
-            name=name,
-            synchronization=_ON_READ,
-            aggregation=aggregation,
-        )
+        if state is None:
+            state = _state.WindowState()
+        self._state = state
+        v = state.declare_group("noise_scale", _state.NOISE_SCALE)
+        # This replica's part of the open window.
+        self._q = v["squared_norm_sum"]
+        self._n = v["micro_batches"]
+        # Windows closed since the start (measured or not): which ones to
+        # measure.
+        self._windows = v["windows"]
+        # Smoothed over measured windows; equal on every replica.
+        self._measurements = v["measurements"]
+        self._ema_trace = v["ema_trace_sigma"]
+        self._ema_grad_sq = v["ema_grad_sq_norm"]
+        self._ema_weight = v["ema_window_weight"]
+        self._ema_micro = v["ema_micro_batch_weight"]
+        self._last_trace = v["last_trace_sigma"]
+        self._last_grad_sq = v["last_grad_sq_norm"]
+        self._all = list(v.values())
 
     @property
     def window_variables(self):
@@ -234,17 +222,8 @@ class NoiseScaleEstimator(tf.Module):
 
     @property
     def state_variables(self):
-        """Every variable of the state, in a fixed order: the window's first."""
-        return self.window_variables + [
-            self._windows,
-            self._measurements,
-            self._ema_trace,
-            self._ema_grad_sq,
-            self._ema_weight,
-            self._ema_micro,
-            self._last_trace,
-            self._last_grad_sq,
-        ]
+        """Every variable of the state (`_state.NOISE_SCALE`'s order)."""
+        return list(self._all)
 
     # What the accumulator calls (in replica context).
 
@@ -284,7 +263,7 @@ class NoiseScaleEstimator(tf.Module):
             weight: Float32 scalar, this replica's `W`.
 
         Returns:
-            A float32 vector of `NUM_STATISTICS`: `[v S_hat, v G2_hat, v,
+            A float32 vector of 4: `[v S_hat, v G2_hat, v,
             n]`, `v` 1.0 when the window is measured and gives an estimate,
             `n` its micro-batches (0 when not measured).
         """

@@ -15,21 +15,56 @@ from accum_model._validation import check_epoch_end
 
 
 class AccumSettings:
-    """The settings and window readings of an `AccumModel` (a mixin)."""
+    """The settings and window readings of an `AccumModel` (a mixin).
+
+    Its attributes are set here only: `_init_settings` when a model starts
+    accumulating, the properties and `_set_measurement` after.
+    """
+
+    def _init_settings(self, accum_steps, epoch_end, noise_scale, adascale):
+        # Checked by the caller (`AccumModel.__init__`, `accumulate`).
+        self._accum_steps = accum_steps
+        self._epoch_end = epoch_end
+        self._noise_scale = noise_scale
+        self._adascale = adascale
+
+    def _set_measurement(self, noise_scale, adascale):
+        """Sets `noise_scale` and `adascale` together, checked as a pair.
+
+        Raises before changing either: if AdaScale cannot read that
+        measurement, or if one changes after training started.
+        """
+        _adascale.measurement_for(adascale, noise_scale)
+        self._check_before_training(
+            "noise_scale", noise_scale, self._noise_scale
+        )
+        self._check_before_training("adascale", adascale, self._adascale)
+        self._noise_scale = noise_scale
+        self._adascale = adascale
 
     # Settings
 
     @property
     def accum_steps(self):
-        """Int. Micro-batches per optimizer update."""
-        return self._accum_steps
+        """Int. Micro-batches per optimizer update.
+
+        Held by the model until its `GradientAccumulator` exists, then by
+        the accumulator alone (a variable, so that a new value needs no
+        retrace); a new value takes effect when the next window opens.
+        """
+        accumulator = self.gradient_accumulator
+        if accumulator is None:
+            return self._accum_steps
+        return accumulator.accum_steps
 
     @accum_steps.setter
     def accum_steps(self, value):
         value = check_accum_steps(value)
-        self._accum_steps = value
-        if self.gradient_accumulator is not None:
-            self.gradient_accumulator.accum_steps = value
+        accumulator = self.gradient_accumulator
+        if accumulator is None:
+            self._accum_steps = value
+        else:
+            accumulator.accum_steps = value
 
     @property
     def epoch_end(self):
@@ -44,10 +79,11 @@ class AccumSettings:
     def noise_scale(self):
         """The `NoiseScale` measured, or None (off).
 
-        Settable before the first training step only (the measurement is
-        part of the compiled step).
+        With `adascale` on and no `noise_scale` set, the `NoiseScale()` that
+        AdaScale measures with. Settable before the first training step
+        only (the measurement is part of the compiled step).
         """
-        return self._noise_scale
+        return _adascale.measurement_for(self._adascale, self._noise_scale)
 
     @noise_scale.setter
     def noise_scale(self, value):
@@ -89,9 +125,11 @@ class AccumSettings:
         NaN before a window gave an estimate, None when `noise_scale` is
         off. The accumulator's `noise_scale` has the parts.
         """
+        if self.noise_scale is None:
+            return None
         accumulator = self.gradient_accumulator
-        if accumulator is None or accumulator.noise_scale is None:
-            return None if self._noise_scale is None else float("nan")
+        if accumulator is None:
+            return float("nan")
         return float(accumulator.noise_scale.b_simple)
 
     @property

@@ -15,6 +15,7 @@ import tensorflow as tf
 from accum_model import _adascale
 from accum_model import _keras
 from accum_model._accumulator import GradientAccumulator
+from accum_model._close import build_optimizer
 
 ADAPTER = _keras.ADAPTER
 keras = _keras.keras
@@ -66,13 +67,11 @@ class TrainingState(ADAPTER.saveable_base):
         ):
             # A `compile` since may have brought an unbuilt optimizer, whose
             # loss-scale variable the train step reads before applying.
-            if (
-                model.optimizer is not None
-                and variables
-                and not ADAPTER.optimizer_built(model.optimizer)
+            if model.optimizer is not None and not ADAPTER.optimizer_built(
+                model.optimizer
             ):
                 with tf.init_scope(), model.distribute_strategy.scope():
-                    ADAPTER.build_optimizer(model.optimizer, variables)
+                    build_optimizer(model.optimizer, variables)
             return self.accumulator
         if model.adascale is not None and model.optimizer is not None:
             # Before any variable is created or changed.
@@ -96,8 +95,8 @@ class TrainingState(ADAPTER.saveable_base):
                     adascale=model.adascale,
                     name="accumulation",
                 )
-                if model.optimizer is not None and variables:
-                    ADAPTER.build_optimizer(model.optimizer, variables)
+                if model.optimizer is not None:
+                    build_optimizer(model.optimizer, variables)
                 # Eagerly and under the strategy, like the accumulator:
                 # layers create their window state here.
                 for layer in ADAPTER.layers(model):
@@ -118,26 +117,18 @@ class TrainingState(ADAPTER.saveable_base):
             self._without_window = False
 
     def save_own_variables(self, store):
+        # By name (`_state`): a file outlives the order of the variables.
         if self.accumulator is None or self._without_window:
             return
-        for i, v in enumerate(self.accumulator.state_variables):
-            store[str(i)] = v.numpy()
+        self.accumulator.state.save(store)
 
     def load_own_variables(self, store):
-        keys = list(store.keys())
-        if not keys:
+        if not list(store.keys()):
             # Saved by a plain model, or before any training: no open window.
             if self.accumulator is not None:
                 self.accumulator.reset()
             return
-        state = self.build().state_variables
-        if len(keys) != len(state):
-            raise ValueError(
-                "The saved accumulation state does not match this model: "
-                f"expected {len(state)} variables, received {len(keys)}."
-            )
-        for i, v in enumerate(state):
-            v.assign(store[str(i)])
+        self.build().state.load(store)
         # Discarded before the save: warned about then.
         self._warned_discarded = int(self.accumulator.discarded_windows)
         self.goes_through_window()

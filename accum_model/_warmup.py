@@ -189,12 +189,7 @@ class AccumStepsWarmup(_keras.ADAPTER.callback_base):
         self._last_iterations = self._iterations()
 
     def _measures(self):
-        # AdaScale turns the measurement on in the engine without setting
-        # `noise_scale`.
-        return (
-            getattr(self.model, "noise_scale", None) is not None
-            or getattr(self.model, "adascale", None) is not None
-        )
+        return getattr(self.model, "noise_scale", None) is not None
 
     def _estimator(self):
         if not self._measures():

@@ -104,6 +104,43 @@ class HandComputedTest(tf.test.TestCase, parameterized.TestCase):
         self.assertEqual(int(opt.iterations), 1)
         self.assertEqual(int(acc.micro_step), 0)
 
+    @parameterized.product(
+        position=("first", "middle"),
+        weight_in_loss=(False, True),
+        compiled=(False, True),
+    )
+    def test_zero_weight_micro_batch_adds_nothing_even_nan(
+        self, position, weight_in_loss, compiled
+    ):
+        # A micro-batch that weighs 0 (a shard or bucket of padding only,
+        # whose per-token loss is 0/0) adds nothing: its NaN gradients are
+        # not read, the window is not discarded, and as a window's first it
+        # leaves nothing of the last window behind. By hand: the other two
+        # micro-batches' weighted mean (2 * [1, 1] + 1 * [4, 0]) / 3.
+        v = tf.Variable([0.0, 0.0])
+        acc = GradientAccumulator([v], accum_steps=3)
+        opt = _sgd()
+        # A first window of different gradients, left in the accumulators.
+        for _ in range(3):
+            acc.step([tf.constant([100.0, -100.0])], opt)
+        start = v.numpy()
+
+        def step(g, w):
+            # With `weight_in_loss`, the gradient carries the weight.
+            g = tf.constant(g) * (w if weight_in_loss else 1.0)
+            return acc.step([g], opt, weight=w, weight_in_loss=weight_in_loss)
+
+        step_fn = tf.function(step) if compiled else step
+        nan = float("nan")
+        batches = [([1.0, 1.0], 2.0), ([nan, nan], 0.0), ([4.0, 0.0], 1.0)]
+        if position == "first":
+            batches = [batches[1], batches[0], batches[2]]
+        for g, w in batches:
+            step_fn(g, w)
+        self.assertEqual(int(acc.discarded_windows), 0)
+        self.assertEqual(int(opt.iterations), 2)
+        self.assertAllClose(v.numpy(), start - [2.0, 2.0 / 3.0])
+
     def test_accum_steps_change_latches_at_next_window(self):
         v = tf.Variable([0.0])
         acc = GradientAccumulator([v], accum_steps=2)

@@ -129,6 +129,25 @@ class AdaScaleConfigTest(tf.test.TestCase, parameterized.TestCase):
         with self.assertRaisesRegex(ValueError, "`noise_scale.every` must"):
             model.noise_scale = accum_model.NoiseScale(every=3)
 
+    def test_the_measurement_it_turns_on_is_the_models(self):
+        # One rule, read in one place: the model says what its engine
+        # measures, and its reading means the same before and after
+        # training (NaN until a window gave an estimate, not None).
+        model = _linear_model(accum_steps=2, adascale=AdaScale(4))
+        self.assertEqual(model.noise_scale, accum_model.NoiseScale())
+        self.assertTrue(np.isnan(model.gradient_noise_scale))
+        x, y = tu.regression_data(8, in_dim=problem.IN_DIM, out_dim=1)
+        tu.train(model, x, y, 2, 1, "sgd")
+        self.assertEqual(
+            model.gradient_accumulator.noise_scale.config, model.noise_scale
+        )
+        self.assertTrue(np.isfinite(model.gradient_noise_scale))
+        # Turned off with AdaScale when it was never set.
+        plain = _linear_model(adascale=AdaScale(4))
+        plain.adascale = None
+        self.assertIsNone(plain.noise_scale)
+        self.assertIsNone(plain.gradient_noise_scale)
+
     def test_model_config_round_trip(self):
         model = _linear_model(accum_steps=4, adascale=AdaScale(base_batch=8))
         config = model.get_config()

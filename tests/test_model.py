@@ -927,6 +927,16 @@ class ValidationTest(tf.test.TestCase, parameterized.TestCase):
         self.assertEqual(model.accum_steps, 3)
         self.assertEqual(model.gradient_accumulator.accum_steps, 3)
 
+    def test_accum_steps_has_one_source_once_the_engine_exists(self):
+        # The engine's variable is what the compiled step reads; the model
+        # reads and writes that one value, whichever side sets it.
+        model = self._model_trained_with(accum_steps=3)
+        model.gradient_accumulator.accum_steps = 5
+        self.assertEqual(model.accum_steps, 5)
+        self.assertEqual(model.get_config()["accum_steps"], 5)
+        model.accum_steps = 2
+        self.assertEqual(model.gradient_accumulator.accum_steps, 2)
+
     def _model_trained_with(self, accum_steps):
         x, y = tu.regression_data(8)
         model = tu.mlp(AccumModel, accum_steps=accum_steps)

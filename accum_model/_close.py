@@ -1,0 +1,191 @@
+"""A window out of the engine: `close_window`, once per update.
+
+`GradientAccumulator` runs `close_window` in each replica when a window
+closes (one conditional, `_control_flow.run_in_replicas_if`): the finite
+check on every replica (`window_is_finite`), then, for a finite window that
+holds data, the mean (`inverse_weight`: the one all-reduce of the weight
+sum, which carries the noise scale's statistics, then AdaScale's gain),
+the optimizer's apply and the hooks; then the window ends. Under XLA every
+read of the accumulators goes through `_kept_in_loop`.
+"""
+
+import tensorflow as tf
+
+from accum_model import _control_flow
+from accum_model import _keras
+from accum_model import _mixed_precision
+
+ADAPTER = _keras.ADAPTER
+
+
+def close_window(engine, optimizer, receiving, xla):
+    """Closes `engine`'s open window, in replica context.
+
+    A window whose micro-batches were all left out applies nothing; one
+    whose sums are not finite on some replica is discarded, never applied.
+    Then the window ends; no pass over the accumulators: the next window's
+    first contribution overwrites them.
+
+    Args:
+        engine: The `GradientAccumulator`.
+        optimizer: The optimizer to apply the mean with.
+        receiving: Per variable, whether it gets a gradient (`receiving`).
+        xla: Bool, whether the graph is compiled by XLA.
+    """
+    has_data = engine._contributed > 0
+    finite = window_is_finite(engine, xla)
+    _control_flow.run_in_replicas_if(
+        tf.logical_and(has_data, finite),
+        lambda: _apply_mean(engine, optimizer, receiving, xla),
+        xla,
+    )
+    discarded = tf.logical_and(has_data, tf.logical_not(finite))
+    engine._discarded.assign_add(tf.cast(discarded, tf.int64))
+    engine._end_window(closed=True)
+
+
+def _apply_mean(engine, optimizer, receiving, xla):
+    inverse = inverse_weight(engine, optimizer, xla)
+    if not any(receiving):
+        # No step of this engine, nor the state it was restored from, has
+        # given a gradient: nothing was accumulated that could apply.
+        return
+    grads = [
+        tf.cast(acc * inverse, v.dtype) if received else None
+        for acc, v, received in zip(
+            engine._accumulators, engine._variables, receiving
+        )
+    ]
+    # Unscaled and checked already: a LossScaleOptimizer's inner optimizer
+    # applies them.
+    ADAPTER.apply_gradients(optimizer, grads, engine._variables)
+    for hook in engine._apply_hooks:
+        hook()
+
+
+def receiving(engine):
+    """Per variable: whether it gets a gradient at apply (trace time).
+
+    What traced steps have seen, joined with what was saved: a window
+    restored from a file or checkpoint is applicable before any step.
+    """
+    if all(engine._received):
+        return engine._received
+    # Read eagerly, without `merge_call`: under a strategy every replica
+    # reads its own copy (all equal), so the replicas' traces stay alike
+    # whichever of them updates the shared Python list first.
+    with tf.init_scope():
+        saved = engine._received_flags.numpy()
+    engine._received = [r or bool(s) for r, s in zip(engine._received, saved)]
+    return engine._received
+
+
+def build_optimizer(optimizer, variables):
+    """Creates `optimizer`'s slots for `variables` unless it has them.
+
+    Eagerly: lifted out of any function being traced, as Keras builds its
+    own optimizers.
+    """
+    if variables and not ADAPTER.optimizer_built(optimizer):
+        with tf.init_scope():
+            ADAPTER.build_optimizer(optimizer, variables)
+
+
+def build_optimizer_in_cross_replica_context(optimizer, variables):
+    """`build_optimizer`, before a close is traced.
+
+    Keras optimizers create their slots on their first apply. Here that is
+    inside the branch that closes a window, and under a strategy that
+    branch runs in `merge_call`, where a traced function cannot lift new
+    variables out of the conditional ("You must feed a value for
+    placeholder"). So they are built first, in cross-replica context.
+    """
+    if not ADAPTER.optimizer_built(optimizer):
+        _control_flow.call_in_cross_replica_context(
+            lambda: build_optimizer(optimizer, variables)
+        )
+
+
+def window_is_finite(engine, xla):
+    """Bool scalar: whether the window is finite on every replica.
+
+    Under a strategy the replicas' counts are summed, so the decision is the
+    same on every replica.
+    """
+    accumulators = engine._accumulators + [engine._weight_sum]
+
+    def exact():
+        return _mixed_precision.non_finite_count(
+            _kept_in_loop(engine, accumulators)
+        )
+
+    # A finite sum proves every element finite (an inf or NaN makes it inf
+    # or NaN), with one read of each accumulator and no temporary. Only a
+    # sum that is not finite (a non-finite element, or finite values
+    # summing past float32's range) pays for the exact count.
+    sums = tf.stack([tf.reduce_sum(v) for v in accumulators])
+    sums_finite = tf.reduce_all(tf.math.is_finite(sums))
+    if xla:
+        # XLA would run both branches of a conditional.
+        bad = exact()
+    else:
+        bad = tf.cond(sums_finite, lambda: tf.constant(0.0), exact)
+    return _mixed_precision.none_on_any_replica(bad)
+
+
+def _kept_in_loop(engine, accumulators):
+    """The accumulators, as values XLA keeps inside the close's loop.
+
+    XLA hoists work on values a loop does not change out of it, assuming
+    the loop runs; the close's loop runs once a window, so a reduction over
+    the accumulators would run on every micro-batch. Multiplied by a
+    counter the close resets (1 here, as the close runs after a
+    micro-batch), they are values the loop changes: exactly equal, and the
+    multiply fuses into the reduction.
+    """
+    live = tf.cast(engine._micro_step > 0, tf.float32)
+    return [v * live for v in accumulators]
+
+
+def inverse_weight(engine, optimizer, xla):
+    """Float32 scalar the accumulators are multiplied by: `gain / W`.
+
+    `W` is the window's weight summed over replicas (they may hold unequal,
+    even empty, shards of a global batch); the noise-scale estimate of the
+    window is taken on the way and AdaScale's gain (1 when off) multiplies
+    it. A zero `W` (all samples weighted 0) gives a zero gradient, as the
+    large batch's zero loss would.
+    """
+    weight_sum = engine._weight_sum.read_value()
+    noise = engine._noise_scale
+    if noise is not None:
+        # Before the update, from this replica's window.
+        accumulators = engine._accumulators
+        if xla:
+            accumulators = _kept_in_loop(engine, accumulators)
+        statistics = noise.statistics(accumulators, weight_sum)
+    replicas = 1
+    if tf.distribute.has_strategy():
+        context = tf.distribute.get_replica_context()
+        replicas = context.num_replicas_in_sync
+        if noise is None:
+            weight_sum = context.all_reduce(
+                tf.distribute.ReduceOp.SUM, weight_sum
+            )
+        else:
+            # The estimate's scalars ride the weight sum's all-reduce.
+            summed = context.all_reduce(
+                tf.distribute.ReduceOp.SUM,
+                tf.concat([weight_sum[None], statistics], 0),
+            )
+            weight_sum, statistics = summed[0], summed[1:]
+    if noise is not None:
+        noise.update(statistics, weight_sum, replicas)
+    inverse = tf.math.divide_no_nan(1.0, weight_sum)
+    if engine._adascale is not None:
+        # The gain is a learning-rate multiplier; for SGD (the only
+        # optimizer allowed) it is the same on the gradient.
+        inverse = inverse * engine._adascale.factor(
+            noise, weight_sum, optimizer
+        )
+    return inverse
