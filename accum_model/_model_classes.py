@@ -1,10 +1,12 @@
-"""How accumulating model classes and objects come to be, and their configs.
+"""The classes of accumulating models: how they are built, and their configs.
 
 Keras builds a model class's objects in more than one way: `Model(inputs,
 outputs)` by rewriting class hierarchies, `from_config` and `clone_model`
 from configs, and subclasses (keras-hub tasks) that pass only the arguments
-they know. The class surgery that keeps `AccumModel`'s arguments and bases
-through all of them is here; `AccumModel` calls it from `__init__`,
+they know. What keeps `AccumModel`'s arguments and bases through all of them
+is here: its constructor arguments and their defaults, the metaclass that
+keeps its bases, the functional construction, the wrappers a subclass gets,
+and the accumulation part of configs. `AccumModel` calls it from `__init__`,
 `__init_subclass__`, `get_config` and `from_config`, and `accumulate` from
 the classes it makes.
 """
