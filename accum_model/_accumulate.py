@@ -10,6 +10,7 @@ such a model back accumulating.
 import warnings
 
 from accum_model import _adascale
+from accum_model import _clone_hook
 from accum_model import _keras
 from accum_model import _model_classes
 from accum_model import _noise_scale
@@ -253,7 +254,7 @@ class _Accumulating:
 ADAPTER.register_object(_ACCUMULATING_NAME, _Accumulating)
 
 
-def _clone_hook(model, clone):
+def _accumulating_clone(model, clone):
     """Makes a `keras.models.clone_model` clone accumulate like `model`."""
     if not isinstance(model, AccumModel) or clone is model:
         return clone
@@ -284,4 +285,6 @@ def _clone_hook(model, clone):
     )
 
 
-ADAPTER.install_clone_hook(_clone_hook)
+# `clone_model` has no way for a model to pass its settings on (see
+# `_clone_hook`, the one patch of Keras).
+_clone_hook.install(ADAPTER.cloning_module, _accumulating_clone)
