@@ -137,6 +137,9 @@ def accumulate(
     )
     adascale = _adascale.as_config(None if adascale is _UNSET else adascale)
     _adascale.measurement_for(adascale, noise_scale)
+    # Class surgery, the feature itself: the user's object (its weights,
+    # optimizer, compile state, and every reference to it) must accumulate,
+    # so it gets a subclass of its own class; a new object would not do.
     model.__class__ = _accumulating_class(type(model))
     init_accumulation(model, accum_steps, epoch_end, noise_scale, adascale)
     # Traced with the class's own `train_step`; `fit` makes a new one.

@@ -115,6 +115,10 @@ class AccumModel(
         if ADAPTER.is_functional_call(args, kwargs):
             _model_classes.init_functional(self, args, kwargs)
         else:
+            # Class surgery, undoing `init_functional`'s: a construction
+            # without `inputs` and `outputs` through the `(cls, Functional)`
+            # class of a functional object (`type(model)(...)`, a
+            # `from_config`) makes a plain `cls` again.
             self.__class__ = ADAPTER.non_functional_base(type(self))
             super().__init__(*args, **kwargs)
         init_accumulation(self, accum_steps, epoch_end, noise_scale, adascale)

@@ -90,6 +90,11 @@ def init_functional(model, args, kwargs):
         # `PipelineModel` has just taken Functional out of its bases and
         # expects it back).
         ADAPTER.inject_functional(type(model))
+    # Class surgery instead of Keras' (which rewrites the bases of the class
+    # and its ancestors, for every later object): only this object turns
+    # Functional. Here, not in `__new__`: a subclass decides in its own
+    # `__init__` whether it builds itself functionally (keras-hub tasks pass
+    # `inputs` and `outputs` up from subclass-style arguments).
     model.__class__ = ADAPTER.functional_variant(type(model))
     ADAPTER.init_functional(model, args, kwargs)
 

@@ -66,6 +66,10 @@ def save_plain(model, filepath, **kwargs):
             f"them into a plain model. Received: model of type {cls.__name__}"
         )
     with training_state(model).without_window():
+        # Class surgery for the length of the save: Keras' saving names the
+        # class from `model.__class__` and writes what its `get_config`
+        # returns; the object itself (weights, optimizer state, compile
+        # config) is what must be saved, so it is saved as `plain`.
         model.__class__ = plain
         try:
             model.save(filepath, **kwargs)
