@@ -307,16 +307,13 @@ class AccumModel(
             # train function: traced again. A weak reference: tf_keras would
             # count the variables of an accumulator held by an attribute of
             # the model among its weights.
-            self._flush_function = self._make_flush_function(accumulator)
+            self._flush_function = _epoch_end.flush_function(self, accumulator)
             self._flush_accumulator = weakref.ref(accumulator)
         discarded = int(accumulator.discarded_windows)
         closed = bool(self._flush_function())
         applied = closed and int(accumulator.discarded_windows) == discarded
         self._accum_state.warn_if_discarded()
         return applied
-
-    def _make_flush_function(self, accumulator):
-        return _epoch_end.flush_function(self, accumulator)
 
     def fit(self, *args, **kwargs):
         # The arguments go on as they came, to whichever `fit` is next (a
