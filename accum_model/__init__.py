@@ -8,10 +8,12 @@ window, then the window out through the optimizer; with the rules of
 apply hooks of `_batchnorm`). Around them: `_settings` (a model's settings
 and the readings of its window), `_epoch_end` (partial windows at
 epoch ends), `_training_state` (what a model saves and warns once),
-`_construction` and `_accumulate` (how models become accumulating), `_plain`
+`_model_classes` and `_accumulate` (how models become accumulating), `_plain`
 (files for Keras alone), `_multi_worker`, `_resume`, `_warmup`,
-`_validation`, and `_keras`, the one place Keras 3 and tf_keras differ
-(docs/README.md has the table).
+`_validation`, and `_keras`, the one place Keras 3 and tf_keras differ, with
+`_versions` (the oldest releases supported), `_private_names` (Keras
+internals used, and why) and `_clone_hook` (the one patch of Keras).
+docs/README.md has the table.
 """
 
 from accum_model._accumulate import accumulate

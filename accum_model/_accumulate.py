@@ -10,8 +10,9 @@ such a model back accumulating.
 import warnings
 
 from accum_model import _adascale
-from accum_model import _construction
+from accum_model import _clone_hook
 from accum_model import _keras
+from accum_model import _model_classes
 from accum_model import _noise_scale
 from accum_model._model import AccumModel
 from accum_model._validation import check_accum_steps
@@ -22,7 +23,7 @@ keras = _keras.keras
 
 # `accumulate`'s defaults of `epoch_end` and `noise_scale`: "apply" and off
 # for a model made to accumulate now, unchanged for one that already does.
-_UNSET = _construction.UNSET
+_UNSET = _model_classes.UNSET
 
 
 def accumulate(
@@ -127,6 +128,9 @@ def accumulate(
     )
     adascale = _adascale.as_config(None if adascale is _UNSET else adascale)
     _adascale.measurement_for(adascale, noise_scale)
+    # Class surgery, the feature itself: the user's object (its weights,
+    # optimizer, compile state, and every reference to it) must accumulate,
+    # so it gets a subclass of its own class; a new object would not do.
     model.__class__ = _accumulating_class(type(model))
     model._init_accumulation(accum_steps, epoch_end, noise_scale, adascale)
     # Traced with the class's own `train_step`; `fit` makes a new one.
@@ -153,7 +157,7 @@ def _accumulating_class(base):
             "__module__": base.__module__,
             "__qualname__": base.__qualname__,
             "__doc__": base.__doc__,
-            **_construction.marking_base(base),
+            **_model_classes.marking_base(base),
             "get_config": _accumulating_get_config,
             "from_config": classmethod(_accumulating_from_config),
             **ADAPTER.accumulating_class_methods(),
@@ -188,19 +192,19 @@ _BASE_KEY = "accumulating_base"
 
 
 def _accumulating_get_config(self):
-    base = _construction.base_of(type(self))
+    base = _model_classes.base_of(type(self))
     definer = next(c for c in base.__mro__ if "get_config" in c.__dict__)
     if isinstance(self, ADAPTER.functional_class) and (
-        definer in _construction.KERAS_CONFIG_CLASSES
+        definer in _model_classes.KERAS_CONFIG_CLASSES
     ):
         # Keras' own writes the graph only for classes it may construct.
         config = ADAPTER.functional_config(self)
     else:
         config = dict(base.get_config(self))
-    for key in _construction.ARGUMENTS:
+    for key in _model_classes.ARGUMENTS:
         # Reached through `super()` from the base's own `get_config`.
         config.pop(key, None)
-    config.update(_construction.accumulation_config(self))
+    config.update(_model_classes.accumulation_config(self))
     config[_BASE_KEY] = {
         "module": base.__module__,
         "class_name": base.__name__,
@@ -214,7 +218,7 @@ def _accumulating_from_config(cls, config, custom_objects=None):
         # The base's own config: a deserializer that found this class by
         # the base's name (`clone_model`'s `custom_objects`) while loading
         # the base of a saved one, which `_Accumulating` then converts.
-        return _construction.base_of(cls).from_config(config)
+        return _model_classes.base_of(cls).from_config(config)
     return _Accumulating.from_config(config, custom_objects=custom_objects)
 
 
@@ -227,7 +231,7 @@ class _Accumulating:
         config = dict(config)
         base_config = dict(config.pop(_BASE_KEY))
         settings = {
-            key: config.pop(key, None) for key in _construction.ARGUMENTS
+            key: config.pop(key, None) for key in _model_classes.ARGUMENTS
         }
         base_config["config"] = config
         if custom_objects:
@@ -244,11 +248,11 @@ class _Accumulating:
 ADAPTER.register_object(_ACCUMULATING_NAME, _Accumulating)
 
 
-def _clone_hook(model, clone):
+def _accumulating_clone(model, clone):
     """Makes a `keras.models.clone_model` clone accumulate like `model`."""
     if not isinstance(model, AccumModel) or clone is model:
         return clone
-    base = _construction.base_of(type(model))
+    base = _model_classes.base_of(type(model))
     if isinstance(clone, AccumModel):
         clone.accum_steps = model.accum_steps
         clone.epoch_end = model.epoch_end
@@ -275,4 +279,6 @@ def _clone_hook(model, clone):
     )
 
 
-ADAPTER.install_clone_hook(_clone_hook)
+# `clone_model` has no way for a model to pass its settings on (see
+# `_clone_hook`, the one patch of Keras).
+_clone_hook.install(ADAPTER.cloning_module, _accumulating_clone)

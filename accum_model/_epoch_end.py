@@ -10,6 +10,7 @@ import inspect
 import tensorflow as tf
 
 from accum_model import _keras
+from accum_model._control_flow import first_replica
 
 ADAPTER = _keras.ADAPTER
 keras = _keras.keras
@@ -62,7 +63,7 @@ def flush_function(model, accumulator):
         return accumulator.apply(model.optimizer, jit_compile=False)
 
     def run():
-        return strategy.experimental_local_results(strategy.run(flush))[0]
+        return first_replica(strategy, strategy.run(flush))
 
     if model.run_eagerly:
         return run

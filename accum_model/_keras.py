@@ -1,123 +1,24 @@
-"""Everything that differs between Keras generations, in one place.
+"""The adapter: everything that differs between Keras generations.
 
 `tf.keras` is Keras 3 on TensorFlow >= 2.16, or Keras 2 (`tf_keras`) when
 `TF_USE_LEGACY_KERAS=1` is set before TensorFlow is imported. The engine and
 `AccumModel` call the one `ADAPTER` chosen here, never `if` on the version.
 
-Private Keras names are used here, each for a reason given where it is used.
-Elsewhere the package uses only those of `PRIVATE_NAMES_ELSEWHERE`, which a
-release that lacks them fails on at once (not silently);
-`tests/test_keras.py` fails on a private name or import outside this module
-that the list lacks.
-
-Two private Keras functions are wrapped here, at import, for every model:
-`clone_model`'s `_clone_sequential_model` and `_clone_functional_model`
-(`install_clone_hook`); the hook changes only clones of accumulating models.
-
-Releases older than `MIN_KERAS` (or `MIN_TF_KERAS`, `MIN_TENSORFLOW`) lack
-some of these; importing the package there raises one `ImportError` naming
-what was found and what is needed (`check_versions`).
+Most private Keras names the package uses are used here, each with its
+reason where it is used; `_private_names` lists them all, module by module.
+Loading this module first checks the versions (`_versions`).
 """
 
 import os
-import re
 
 import tensorflow as tf
 
-# Private TensorFlow and Keras names (imports and attributes) used outside
-# this module: `{module: {name: why}}`.
-PRIVATE_NAMES_ELSEWHERE = {
-    "_multi_worker.py": {
-        "_maybe_symbolic_build": "Keras 3's `fit` builds the model through "
-        "it; overridden to build without a collective under "
-        "MultiWorkerMirroredStrategy",
-    },
-    "_batchnorm.py": {
-        name: "BatchNormalization's internals (Keras 3), used by "
-        "`AccumBatchNormalization`, which replaces only the moving-"
-        "statistics update of `BatchNormalization.call`"
-        for name in (
-            "_moments",
-            "_reduction_axes",
-            "_renorm_correction_and_moments",
-            "_compose_transforms",
-            "_update_renorm_statistics",
-        )
-    },
-    "_epoch_end.py": {
-        "_omit_frequent_tracing_warning": "an attribute of TensorFlow's "
-        "`tf.function`, set on the epoch-end apply, which each model traces "
-        "once (the warning would count the models of one process)",
-    },
-    "_training_state.py": {
-        "_obj_type": "what Keras 3's saving records for a `KerasSaveable`; "
-        "the state says what kind of object it is",
-    },
-    "_control_flow.py": {
-        "tensorflow.python.ops": "`control_flow_util`, the one way to ask "
-        "whether a graph being traced is compiled by XLA, for custom loops "
-        "that do not say (`jit_compile=None`)",
-    },
-}
+from accum_model import _versions
+from accum_model._control_flow import first_replica
 
-# The oldest releases the package is tested with (CI's floor leg); also the
-# bounds in setup.cfg. Older ones lack Keras internals used here.
-MIN_TENSORFLOW = "2.16"
-MIN_KERAS = "3.14.0"
-MIN_TF_KERAS = "2.16"
-
-
-def _release(version):
-    """`"3.14.0rc1"` -> `(3, 14, 0)`: the leading numeric release."""
-    match = re.match(r"\d+(\.\d+)*", version.strip())
-    if match is None:
-        return ()
-    return tuple(int(part) for part in match.group(0).split("."))
-
-
-def check_versions(tensorflow_version, keras_version, legacy):
-    """Raises ImportError if this TensorFlow or Keras is too old.
-
-    Args:
-        tensorflow_version: `tf.__version__`.
-        keras_version: `__version__` of the Keras that `tf.keras` is:
-            `keras` (Keras 3), or `tf_keras` when `legacy`.
-        legacy: Whether `tf.keras` is tf_keras (TF_USE_LEGACY_KERAS=1).
-
-    Raises:
-        ImportError: Naming what was found and what is needed.
-    """
-    if legacy:
-        package, needed = "tf_keras", MIN_TF_KERAS
-        install = f'pip install "tf-keras>={needed}"'
-    else:
-        package, needed = "keras", MIN_KERAS
-        install = f'pip install "keras>={needed}"'
-    too_old = []
-    if _release(tensorflow_version) < _release(MIN_TENSORFLOW):
-        too_old.append(
-            f"TensorFlow >= {MIN_TENSORFLOW} (found {tensorflow_version})"
-        )
-        install = f'pip install "tensorflow>={MIN_TENSORFLOW}"'
-    elif not legacy and _release(keras_version) < (3,):
-        # TensorFlow >= 2.16 installs Keras 3; Keras 2 here is a broken
-        # environment or a `keras` pinned below 3.
-        too_old.append(
-            f"Keras >= {needed} (found keras {keras_version}; for Keras 2 "
-            "set TF_USE_LEGACY_KERAS=1 and install tf_keras)"
-        )
-    elif _release(keras_version) < _release(needed):
-        too_old.append(f"{package} >= {needed} (found {keras_version})")
-    if too_old:
-        raise ImportError(
-            "accum_model requires " + " and ".join(too_old) + ". "
-            f"Install a supported version, e.g. `{install}`."
-        )
-
-
-if _release(tf.__version__) < _release(MIN_TENSORFLOW):
-    # `tf.keras` is Keras 2 there and the rest of this module cannot load.
-    check_versions(tf.__version__, "", legacy=False)
+# Before `tf.keras` is read: on an older TensorFlow it is Keras 2 whatever
+# is installed, and the rest of this module cannot load.
+_versions.check_tensorflow(tf.__version__)
 
 # `tf.keras` is the Keras that TensorFlow was told to use; its full package
 # (`keras` or `tf_keras`) has the parts `tf.keras` leaves out (`saving`).
@@ -127,7 +28,7 @@ if LEGACY:
 else:
     import keras
 
-check_versions(tf.__version__, keras.__version__, LEGACY)
+_versions.check_versions(tf.__version__, keras.__version__, LEGACY)
 
 
 if LEGACY:
@@ -172,9 +73,10 @@ class _Keras3Adapter:
         self._registered_names = object_registration.GLOBAL_CUSTOM_NAMES
         self._registered_objects = object_registration.GLOBAL_CUSTOM_OBJECTS
         self._inject_functional = model_lib.inject_functional_model_class
+        # `clone_model`'s module, whose functions `_clone_hook` wraps.
         from keras.src.models import cloning
 
-        self._cloning = cloning
+        self.cloning_module = cloning
         self._variants = {}
 
     def check_backend(self):
@@ -253,23 +155,6 @@ class _Keras3Adapter:
         """A Keras object from the dict `serialize_keras_object` writes."""
         return keras.saving.deserialize_keras_object(config)
 
-    def install_clone_hook(self, hook):
-        """Runs `hook(model, clone)` on what `clone_model` returns.
-
-        `keras.models.clone_model` rebuilds a Sequential as a plain
-        `Sequential` and a Functional as `model.__class__(inputs, outputs)`
-        or a plain `Functional` (`_clone_sequential_model` and
-        `_clone_functional_model`, private), with no hook for the state
-        a model class adds. They are wrapped here (looked up by name at
-        call time, so every import of `clone_model` sees them); the hook
-        returns the clone to use.
-        """
-        for name in ("_clone_sequential_model", "_clone_functional_model"):
-            original = getattr(self._cloning, name)
-            if getattr(original, "_accum_model_hook", False):
-                continue
-            setattr(self._cloning, name, _with_clone_hook(original, hook))
-
     def non_functional_base(self, cls):
         """Undoes `functional_variant` for a subclass-style construction."""
         return cls.__dict__.get("_accum_non_functional_base", cls)
@@ -338,12 +223,9 @@ class _Keras3Adapter:
         else:
             return iterator, data_batch
 
-        def local(value):
-            if isinstance(value, tf.distribute.DistributedValues):
-                return strategy.experimental_local_results(value)[0]
-            return value
-
-        return None, tf.nest.map_structure(local, batch)
+        return None, tf.nest.map_structure(
+            lambda value: first_replica(strategy, value), batch
+        )
 
     def logs_for_replica_reduction(self, model, logs):
         """Makes a step's scalar logs reducible by Keras' multi-worker path.
@@ -621,7 +503,7 @@ class _TfKerasAdapter(_Keras3Adapter):
         self._inject_functional = training.inject_functional_model_class
         from tf_keras.src.models import cloning
 
-        self._cloning = cloning
+        self.cloning_module = cloning
         self._variants = {}
 
     def check_backend(self):
@@ -814,15 +696,6 @@ class _TfKerasAdapter(_Keras3Adapter):
                 (reduction, y_t, y_p, sw, self.keras_mask(y_p), loss_obj)
             )
         return terms
-
-
-def _with_clone_hook(clone, hook):
-    def clone_with_hook(model, *args, **kwargs):
-        return hook(model, clone(model, *args, **kwargs))
-
-    clone_with_hook._accum_model_hook = True
-    clone_with_hook.__wrapped__ = clone
-    return clone_with_hook
 
 
 def _resolve_path(path, structure):

@@ -3,7 +3,7 @@
 The training path: `train_step` (one micro-batch into the window, which
 applies when full), the epoch-end flush and `fit`. Its settings and the
 readings of its window are in `_settings`, how its objects and classes are
-built in `_construction`, what it keeps besides its weights in
+built in `_model_classes`, what it keeps besides its weights in
 `_training_state`, and the window itself in `_accumulator`.
 """
 
@@ -13,9 +13,9 @@ import weakref
 import tensorflow as tf
 
 from accum_model import _adascale
-from accum_model import _construction
 from accum_model import _epoch_end
 from accum_model import _keras
+from accum_model import _model_classes
 from accum_model import _noise_scale
 from accum_model import _normalizers
 from accum_model._multi_worker import MultiWorkerFitWorkarounds
@@ -26,14 +26,14 @@ from accum_model._validation import check_epoch_end
 
 ADAPTER = _keras.ADAPTER
 keras = _keras.keras
-UNSET = _construction.UNSET
+UNSET = _model_classes.UNSET
 
 
 class AccumModel(
     MultiWorkerFitWorkarounds,
     AccumSettings,
     keras.Model,
-    metaclass=_construction.KeepsOwnBases,
+    metaclass=_model_classes.KeepsOwnBases,
 ):
     """A `tf.keras.Model` that trains as if its batch were `accum_steps` larger.
 
@@ -102,7 +102,7 @@ class AccumModel(
         **kwargs,
     ):
         accum_steps, epoch_end, noise_scale, adascale = (
-            _construction.resolve_arguments(
+            _model_classes.resolve_arguments(
                 self, accum_steps, epoch_end, noise_scale, adascale
             )
         )
@@ -113,8 +113,12 @@ class AccumModel(
         adascale = _adascale.as_config(adascale)
         _adascale.measurement_for(adascale, noise_scale)
         if ADAPTER.is_functional_call(args, kwargs):
-            _construction.init_functional(self, args, kwargs)
+            _model_classes.init_functional(self, args, kwargs)
         else:
+            # Class surgery, undoing `init_functional`'s: a construction
+            # without `inputs` and `outputs` through the `(cls, Functional)`
+            # class of a functional object (`type(model)(...)`, a
+            # `from_config`) makes a plain `cls` again.
             self.__class__ = ADAPTER.non_functional_base(type(self))
             super().__init__(*args, **kwargs)
         self._init_accumulation(accum_steps, epoch_end, noise_scale, adascale)
@@ -138,20 +142,22 @@ class AccumModel(
         """The `GradientAccumulator` holding the window (None before fit)."""
         return self._accum_state.accumulator
 
-    # Construction and configs (see `_construction`)
+    # Construction and configs (see `_model_classes`)
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
-        _construction.prepare_subclass(cls, AccumModel)
+        _model_classes.prepare_subclass(cls, AccumModel)
 
     def get_config(self):
-        config = _construction.base_config(self, AccumModel, super().get_config)
-        config.update(_construction.accumulation_config(self))
+        config = _model_classes.base_config(
+            self, AccumModel, super().get_config
+        )
+        config.update(_model_classes.accumulation_config(self))
         return config
 
     @classmethod
     def from_config(cls, config, custom_objects=None):
-        model, arguments = _construction.from_config(
+        model, arguments = _model_classes.from_config(
             super().from_config, config, custom_objects
         )
         # `noise_scale` and `adascale` first: they can only be set before
@@ -316,16 +322,13 @@ class AccumModel(
             # train function: traced again. A weak reference: tf_keras would
             # count the variables of an accumulator held by an attribute of
             # the model among its weights.
-            self._flush_function = self._make_flush_function(accumulator)
+            self._flush_function = _epoch_end.flush_function(self, accumulator)
             self._flush_accumulator = weakref.ref(accumulator)
         discarded = int(accumulator.discarded_windows)
         closed = bool(self._flush_function())
         applied = closed and int(accumulator.discarded_windows) == discarded
         self._accum_state.warn_if_discarded()
         return applied
-
-    def _make_flush_function(self, accumulator):
-        return _epoch_end.flush_function(self, accumulator)
 
     def fit(self, *args, **kwargs):
         # The arguments go on as they came, to whichever `fit` is next (a

@@ -12,14 +12,10 @@ class MultiWorkerFitWorkarounds:
     fails there on CPU for any model: see
     `_Keras3Adapter.symbolic_build_arguments` and
     `logs_for_replica_reduction`, both no-ops elsewhere and under tf_keras.
-    `AccumModel` has it; tests and benchmarks put it on the plain
-    `keras.Model` they compare with, so that both run under the strategy.
+    `AccumModel` has it, and reshapes the logs of its own `train_step`
+    itself; tests put it on the plain `keras.Model` they compare with, so
+    that both run under the strategy.
     """
-
-    def train_step(self, data):
-        return ADAPTER.logs_for_replica_reduction(
-            self, super().train_step(data)
-        )
 
     def test_step(self, data):
         return ADAPTER.logs_for_replica_reduction(self, super().test_step(data))

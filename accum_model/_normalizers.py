@@ -27,8 +27,13 @@ weight per micro-batch is exact; the first output's is used, with a warning.
 """
 
 import warnings
+import weakref
 
 import tensorflow as tf
+
+# `_loss_values_rank`'s results per loss object, by the specs traced; weak,
+# so nothing is kept on (or keeps alive) the user's loss.
+_VALUES_RANKS = weakref.WeakKeyDictionary()
 
 
 def batch_size(x, y=None):
@@ -81,9 +86,10 @@ def _loss_values_rank(loss_fn, y_true, y_pred):
     # Once per loss and shapes: an eager step must not trace every time.
     if any(s.shape.rank is None for s in specs):
         return None
-    cache = getattr(loss_fn, "__dict__", {}).setdefault(
-        "_accum_model_values_rank", {}
-    )
+    try:
+        cache = _VALUES_RANKS.setdefault(loss_fn, {})
+    except TypeError:  # Not weakly referenceable: traced at every call.
+        cache = {}
     key = tuple((tuple(s.shape.as_list()), s.dtype.name) for s in specs)
     if key not in cache:
         try:

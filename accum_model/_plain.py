@@ -7,8 +7,8 @@ class it had before `accumulate`, or Keras' Functional model for a
 functional `AccumModel`.
 """
 
-from accum_model import _construction
 from accum_model import _keras
+from accum_model import _model_classes
 from accum_model._model import AccumModel
 from accum_model._model import training_state
 
@@ -51,7 +51,7 @@ def save_plain(model, filepath, **kwargs):
             f"or `AccumModel`). Received: model of type {type(model).__name__}"
         )
     cls = type(model)
-    plain = _construction.base_of(cls)
+    plain = _model_classes.base_of(cls)
     if plain is cls:
         # Not made by `accumulate`: a functional `AccumModel` saves as the
         # Functional model of its graph; a subclassed one has no plain class.
@@ -66,6 +66,10 @@ def save_plain(model, filepath, **kwargs):
             f"them into a plain model. Received: model of type {cls.__name__}"
         )
     with training_state(model).without_window():
+        # Class surgery for the length of the save: Keras' saving names the
+        # class from `model.__class__` and writes what its `get_config`
+        # returns; the object itself (weights, optimizer state, compile
+        # config) is what must be saved, so it is saved as `plain`.
         model.__class__ = plain
         try:
             model.save(filepath, **kwargs)

@@ -7,6 +7,13 @@ import numpy as np
 EPOCH_END_MODES = ("apply", "carry")
 
 
+def is_real(value):
+    """Whether `value` is a real number, Python's or NumPy's, not a bool."""
+    return isinstance(value, numbers.Real) and not isinstance(
+        value, (bool, np.bool_)
+    )
+
+
 def check_integer(name, value, minimum):
     """Returns `value` as a Python int if it is an integer >= `minimum`.
 
@@ -24,10 +31,11 @@ def check_integer(name, value, minimum):
     Raises:
         ValueError: If `value` is not an integer >= `minimum`.
     """
-    is_int = isinstance(value, numbers.Integral) and not isinstance(
-        value, (bool, np.bool_)
-    )
-    if not is_int or value < minimum:
+    if (
+        not is_real(value)
+        or not isinstance(value, numbers.Integral)
+        or value < minimum
+    ):
         raise ValueError(
             f"`{name}` must be an integer >= {minimum}. "
             f"Received: {name}={value!r}"

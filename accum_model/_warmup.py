@@ -1,11 +1,11 @@
 """`AccumStepsWarmup`: batch-size warm-up through `accum_steps`."""
 
 import math
-import numbers
 
 from accum_model import _keras
 from accum_model._validation import check_accum_steps
 from accum_model._validation import check_integer
+from accum_model._validation import is_real
 
 
 def accum_steps_for_noise_scale(
@@ -113,11 +113,7 @@ class AccumStepsWarmup(_keras.ADAPTER.callback_base):
         verbose=1,
     ):
         super().__init__()
-        if (
-            isinstance(factor, bool)
-            or not isinstance(factor, numbers.Real)
-            or not factor > 0
-        ):
+        if not is_real(factor) or not factor > 0:
             raise ValueError(
                 f"`factor` must be a number > 0. Received: factor={factor!r}"
             )
@@ -140,11 +136,7 @@ class AccumStepsWarmup(_keras.ADAPTER.callback_base):
                 "measured noise scale may be unbounded). Received: "
                 "max_accum_steps=None"
             )
-        if (
-            isinstance(hysteresis, bool)
-            or not isinstance(hysteresis, numbers.Real)
-            or hysteresis < 0
-        ):
+        if not is_real(hysteresis) or hysteresis < 0:
             raise ValueError(
                 "`hysteresis` must be a number >= 0. "
                 f"Received: hysteresis={hysteresis!r}"

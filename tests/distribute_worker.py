@@ -60,11 +60,18 @@ def _as_lists(weights):
 
 
 def _plain_model_class():
+    from accum_model._keras import ADAPTER
     from accum_model._keras import keras
     from accum_model._multi_worker import MultiWorkerFitWorkarounds
 
     class PlainModel(MultiWorkerFitWorkarounds, keras.Model):
         """Keras' own train_step, plus only AccumModel's MWMS workarounds."""
+
+        def train_step(self, data):
+            # What `AccumModel.train_step` does to its own logs.
+            return ADAPTER.logs_for_replica_reduction(
+                self, super().train_step(data)
+            )
 
     return PlainModel
 

@@ -1,9 +1,10 @@
-"""The adapter: the version check, and the private names it accounts for.
+"""The version gate, and the list of private names the package uses.
 
 Ground truth: the floor declared in setup.cfg (the releases CI's floor leg
 installs), the message contract (what was found, what is needed), and the
-package's source (every private TensorFlow or Keras name outside the
-adapter is in its list).
+package's source (every private TensorFlow or Keras name it uses, and every
+private attribute it writes on an object of another module, is in
+`_private_names`).
 """
 
 import configparser
@@ -18,6 +19,8 @@ import tensorflow as tf
 from absl.testing import parameterized
 
 from accum_model import _keras
+from accum_model import _private_names
+from accum_model import _versions
 from tests import testing_utils as tu
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -41,9 +44,9 @@ def _declared_requirements():
 class CheckVersionsTest(tf.test.TestCase, parameterized.TestCase):
     def test_floor_is_what_setup_cfg_declares(self):
         declared = _declared_requirements()
-        self.assertEqual(declared.get("tensorflow"), _keras.MIN_TENSORFLOW)
-        self.assertEqual(declared.get("keras"), _keras.MIN_KERAS)
-        self.assertEqual(declared.get("tf-keras"), _keras.MIN_TF_KERAS)
+        self.assertEqual(declared.get("tensorflow"), _versions.MIN_TENSORFLOW)
+        self.assertEqual(declared.get("keras"), _versions.MIN_KERAS)
+        self.assertEqual(declared.get("tf-keras"), _versions.MIN_TF_KERAS)
 
     def test_floor_is_what_ci_installs(self):
         with open(os.path.join(_ROOT, ".ci", "floor-constraints.txt")) as f:
@@ -53,14 +56,14 @@ class CheckVersionsTest(tf.test.TestCase, parameterized.TestCase):
                 if "==" in line.split("#")[0]
             )
         for name, minimum in (
-            ("tensorflow", _keras.MIN_TENSORFLOW),
-            ("keras", _keras.MIN_KERAS),
-            ("tf-keras", _keras.MIN_TF_KERAS),
+            ("tensorflow", _versions.MIN_TENSORFLOW),
+            ("keras", _versions.MIN_KERAS),
+            ("tf-keras", _versions.MIN_TF_KERAS),
         ):
             # Same release at the declared precision (2.16 covers 2.16.2).
-            floor = _keras._release(minimum)
+            floor = _versions.release(minimum)
             self.assertEqual(
-                _keras._release(pins[name])[: len(floor)], floor, name
+                _versions.release(pins[name])[: len(floor)], floor, name
             )
 
     @parameterized.named_parameters(
@@ -71,7 +74,7 @@ class CheckVersionsTest(tf.test.TestCase, parameterized.TestCase):
         ("tf_keras_newer", "2.21.0", "2.21.0", True),
     )
     def test_supported_versions_pass(self, tf_version, keras_version, legacy):
-        _keras.check_versions(tf_version, keras_version, legacy)
+        _versions.check_versions(tf_version, keras_version, legacy)
 
     @parameterized.named_parameters(
         (
@@ -107,7 +110,7 @@ class CheckVersionsTest(tf.test.TestCase, parameterized.TestCase):
         self, tf_version, keras_version, legacy, found
     ):
         with self.assertRaises(ImportError) as raised:
-            _keras.check_versions(tf_version, keras_version, legacy)
+            _versions.check_versions(tf_version, keras_version, legacy)
         message = str(raised.exception)
         self.assertStartsWith(message, "accum_model requires ")
         self.assertIn(found, message)
@@ -148,17 +151,33 @@ _PRIVATE_MODULE = re.compile(
     r"(?:\.src\b|\.python\b|\._)[\w.]*)",
     re.MULTILINE,
 )
-_PRIVATE_ATTRIBUTE = re.compile(r"(?:\.|\bdef\s+)(_[A-Za-z]\w*)")
+# A private name used: read, called, defined as a method (which may
+# override one of Keras'), or read by `getattr`/`hasattr`.
+_PRIVATE_ATTRIBUTE = re.compile(
+    r"(?:\.|\bdef\s+)(_[A-Za-z]\w*)"
+    r"|\b(?:getattr|hasattr)\([^,()]+,\s*[\"\'](_[A-Za-z]\w*)[\"\']"
+)
+# A private attribute written on an object other than `self` or `cls`.
+_WRITE_ELSEWHERE = re.compile(
+    r"(?<![\w.])(?!(?:self|cls)\.)[A-Za-z_]\w*(?:\.\w+)*\.(_[A-Za-z]\w*)"
+    r"\s*(?:[-+*/]?=)(?!=)"
+)
 
 
-def _defines(source, name):
-    """Whether `source` defines `name` itself (or names it as a string)."""
+def _owns(source, name):
+    """Whether `source` defines `name` as its own.
+
+    Its own: a function or class it defines, a module-level name, an
+    attribute its classes set on `self` or `cls` (also with `setattr` or in
+    a class namespace it builds).
+    """
     n = re.escape(name)
     return bool(
         re.search(rf"\b(?:def|class)\s+{n}\b", source)
-        or re.search(rf"\b(?:self|cls|model)\.{n}\s*=(?!=)", source)
+        or re.search(rf"\b(?:self|cls)\.{n}\s*=(?!=)", source)
         or re.search(rf"^\s*{n}\s*=(?!=)", source, re.MULTILINE)
-        or re.search(rf"[\"\']{n}[\"\']", source)
+        or re.search(rf"setattr\(\s*(?:self|cls)\s*,\s*[\"\']{n}[\"\']", source)
+        or re.search(rf"[\"\']{n}[\"\']\s*:", source)
     )
 
 
@@ -175,44 +194,101 @@ def _keras_and_tensorflow_classes():
     )
 
 
+def _unlisted(module, source, listed):
+    """What `module` uses or writes that is private and not in `listed`."""
+    classes = _keras_and_tensorflow_classes()
+    unlisted = set()
+    for name in _PRIVATE_MODULE.findall(source):
+        if name not in listed:
+            unlisted.add(f"{module}: import {name}")
+    # The package's own modules are private by their names only.
+    source = re.sub(r"accum_model\._\w+", "", source)
+    for name in _WRITE_ELSEWHERE.findall(source):
+        # On another object: listed, unless the module's own classes set
+        # that attribute too (`model._x = ...` beside `self._x = ...`).
+        if name not in listed and not _owns(source, name):
+            unlisted.add(f"{module}: {name} (written)")
+    for match in _PRIVATE_ATTRIBUTE.findall(source):
+        name = match[0] or match[1]
+        if name.startswith("__") or name in listed:
+            continue
+        # Keras' or TensorFlow's, though defined here: an override.
+        foreign = any(hasattr(c, name) for c in classes)
+        if foreign or not _owns(source, name):
+            unlisted.add(f"{module}: {name}")
+    return sorted(unlisted)
+
+
+def _package_sources():
+    for path in sorted(glob.glob(os.path.join(_ROOT, "accum_model", "*.py"))):
+        module = os.path.basename(path)
+        if module == "_private_names.py":
+            continue  # The list itself.
+        with open(path) as f:
+            yield module, f.read()
+
+
 class PrivateNamesTest(tf.test.TestCase):
-    def test_private_names_outside_the_adapter_are_listed(self):
-        # A grep over the package: every private import, and every private
-        # attribute that is not the module's own (or is one of Keras' or
-        # TensorFlow's, though defined here), must be in the adapter's list
-        # for that module. Also fails on one module using another's
-        # underscore names: they are not its own.
-        classes = _keras_and_tensorflow_classes()
+    def test_private_names_are_listed(self):
+        # A grep over the package, the adapter included: every private
+        # import, every private attribute that is not the module's own (or
+        # is one of Keras' or TensorFlow's, though defined here), and every
+        # private attribute written on another module's object must be in
+        # `_private_names` for that module. Also fails on one module using
+        # another's underscore names: they are not its own.
         unlisted = []
-        for path in sorted(
-            glob.glob(os.path.join(_ROOT, "accum_model", "*.py"))
-        ):
-            module = os.path.basename(path)
-            if module == "_keras.py":
-                continue
-            with open(path) as f:
-                source = f.read()
-            listed = _keras.PRIVATE_NAMES_ELSEWHERE.get(module, {})
-            for name in _PRIVATE_MODULE.findall(source):
-                if not any(name.startswith(entry) for entry in listed):
-                    unlisted.append(f"{module}: import {name}")
-            # The package's own modules are private by their names only.
-            own_modules = re.sub(r"accum_model\._\w+", "", source)
-            for name in set(_PRIVATE_ATTRIBUTE.findall(own_modules)):
-                if name.startswith("__") or name in listed:
-                    continue
-                foreign = any(hasattr(c, name) for c in classes)
-                if foreign or not _defines(source, name):
-                    unlisted.append(f"{module}: {name}")
-        self.assertEqual(sorted(unlisted), [])
+        for module, source in _package_sources():
+            listed = _private_names.PRIVATE_NAMES.get(module, {})
+            unlisted += _unlisted(module, source, listed)
+        self.assertEqual(unlisted, [])
 
     def test_listed_names_are_used(self):
         # The list stays exact: a name it holds is still used there.
-        for module, names in _keras.PRIVATE_NAMES_ELSEWHERE.items():
-            with open(os.path.join(_ROOT, "accum_model", module)) as f:
-                source = f.read()
+        sources = dict(_package_sources())
+        for module, names in _private_names.PRIVATE_NAMES.items():
+            self.assertIn(module, sources)
             for name in names:
-                self.assertTrue(name in source, f"{module}: {name}")
+                self.assertIn(name, sources[module], f"{module}: {name}")
+
+    def test_every_listed_name_has_a_reason(self):
+        for module, names in _private_names.PRIVATE_NAMES.items():
+            for name, why in names.items():
+                self.assertGreater(len(why.split()), 3, f"{module}: {name}")
+
+    def test_an_unlisted_private_name_fails(self):
+        # The check itself: each kind of private use, added to a module
+        # whose list lacks it, is reported.
+        source = textwrap.dedent("""
+            from keras.src.utils import tracking
+            class Hook:
+                def _flatten_layers(self):
+                    return self._own
+                def setup(self):
+                    self._own = 1
+            def use(model, optimizer):
+                model._accum_unlisted = 1
+                optimizer.iterations._private_thing
+                return getattr(model, "_compile_loss", None)
+        """)
+        self.assertEqual(
+            _unlisted("m.py", source, {}),
+            [
+                "m.py: _accum_unlisted",
+                "m.py: _accum_unlisted (written)",
+                "m.py: _compile_loss",
+                "m.py: _flatten_layers",
+                "m.py: _private_thing",
+                "m.py: import keras.src.utils",
+            ],
+        )
+        listed = {
+            "keras.src.utils": "why",
+            "_accum_unlisted": "why",
+            "_compile_loss": "why",
+            "_flatten_layers": "why",
+            "_private_thing": "why",
+        }
+        self.assertEqual(_unlisted("m.py", source, listed), [])
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ import tensorflow as tf
 from absl.testing import parameterized
 
 from accum_model import AccumModel
+from accum_model import _epoch_end
 from accum_model._keras import ADAPTER
 from accum_model._keras import keras
 from tests import testing_utils as tu
@@ -467,20 +468,20 @@ class CompiledStepTest(tf.test.TestCase, parameterized.TestCase):
         model = tu.mlp(AccumModel, accum_steps=4)
         model.compile(tu.OPTIMIZERS["sgd"](), "mse")
         made = []
-        original = AccumModel._make_flush_function
+        original = _epoch_end.flush_function
 
-        def recording(self, engine):
-            made.append(original(self, engine))
+        def recording(model, accumulator):
+            made.append(original(model, accumulator))
             return made[-1]
 
-        with mock.patch.object(AccumModel, "_make_flush_function", recording):
+        with mock.patch.object(_epoch_end, "flush_function", recording):
             for _ in range(3):
                 model.fit(x, y, batch_size=2, epochs=2, verbose=0)
         traces = sum(f.experimental_get_tracing_count() for f in made)
         self.assertEqual(traces, 1)
         # A new `compile` (here: another optimizer) must rebuild it.
         model.compile(tu.OPTIMIZERS["adam"](), "mse")
-        with mock.patch.object(AccumModel, "_make_flush_function", recording):
+        with mock.patch.object(_epoch_end, "flush_function", recording):
             model.fit(x, y, batch_size=2, epochs=1, verbose=0)
         self.assertLen(made, 2)
 

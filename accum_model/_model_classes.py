@@ -1,10 +1,12 @@
-"""How accumulating model classes and objects come to be, and their configs.
+"""The classes of accumulating models: how they are built, and their configs.
 
 Keras builds a model class's objects in more than one way: `Model(inputs,
 outputs)` by rewriting class hierarchies, `from_config` and `clone_model`
 from configs, and subclasses (keras-hub tasks) that pass only the arguments
-they know. The class surgery that keeps `AccumModel`'s arguments and bases
-through all of them is here; `AccumModel` calls it from `__init__`,
+they know. What keeps `AccumModel`'s arguments and bases through all of them
+is here: its constructor arguments and their defaults, the metaclass that
+keeps its bases, the functional construction, the wrappers a subclass gets,
+and the accumulation part of configs. `AccumModel` calls it from `__init__`,
 `__init_subclass__`, `get_config` and `from_config`, and `accumulate` from
 the classes it makes.
 """
@@ -88,6 +90,11 @@ def init_functional(model, args, kwargs):
         # `PipelineModel` has just taken Functional out of its bases and
         # expects it back).
         ADAPTER.inject_functional(type(model))
+    # Class surgery instead of Keras' (which rewrites the bases of the class
+    # and its ancestors, for every later object): only this object turns
+    # Functional. Here, not in `__new__`: a subclass decides in its own
+    # `__init__` whether it builds itself functionally (keras-hub tasks pass
+    # `inputs` and `outputs` up from subclass-style arguments).
     model.__class__ = ADAPTER.functional_variant(type(model))
     ADAPTER.init_functional(model, args, kwargs)
 
