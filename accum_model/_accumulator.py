@@ -109,9 +109,11 @@ class GradientAccumulator(tf.Module):
         self._received = [False] * len(variables)
         # Every variable, by name (`_state`); the attributes are views.
         self.state = _state.WindowState()
-        engine, self._accumulators, self._received_flags = (
-            _state.declare_engine(self.state, variables, accum_steps)
+        engine, accumulators, received = _state.declare_engine(
+            self.state, variables, accum_steps
         )
+        self._accumulators = accumulators
+        self._received_flags = received
         self._accum_steps = engine["accum_steps"]
         self._window_steps = engine["window_steps"]
         self._micro_step = engine["micro_step"]

@@ -237,11 +237,9 @@ class AdaScaleState(tf.Module):
             state = _state.WindowState()
         # Equal on every replica: each computes them from all-reduced values.
         v = state.declare_group("adascale", _state.ADASCALE)
-        self._tau, self._gain, self._lr = (
-            v["tau"],
-            v["gain"],
-            v["learning_rate"],
-        )
+        self._tau = v["tau"]
+        self._gain = v["gain"]
+        self._lr = v["learning_rate"]
 
     @property
     def state_variables(self):

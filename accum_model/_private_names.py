@@ -32,10 +32,10 @@ _TF_KERAS_LOSS = (
     "and how it pairs targets with outputs, which the normalizer replays "
     "(`compiled_loss_terms`)"
 )
-_SET_BY_INIT_ACCUMULATION = (
-    "an `AccumModel` attribute (read by `AccumSettings`), set by "
-    "`init_accumulation` because `accumulate` gives it to a model whose "
-    "class was swapped, never constructed"
+_ENGINE_PARTS = (
+    "a `GradientAccumulator`'s own state, read and changed by the module "
+    "its micro-batch path (`_contribution`) or its close (`_close`) is "
+    "written in: parts of one engine, split to keep each module one job"
 )
 
 PRIVATE_NAMES = {
@@ -110,18 +110,47 @@ PRIVATE_NAMES = {
         "again",
     },
     "_model.py": {
-        "_accum_steps": _SET_BY_INIT_ACCUMULATION,
-        "_epoch_end": _SET_BY_INIT_ACCUMULATION,
-        "_noise_scale": _SET_BY_INIT_ACCUMULATION,
-        "_adascale": _SET_BY_INIT_ACCUMULATION,
-        "_accum_state": "the model's `TrainingState`, set by "
-        "`init_accumulation` (see `_accum_steps`)",
+        "_init_settings": "`AccumSettings`' initializer of the settings it "
+        "holds, called by `AccumModel._init_accumulation`",
     },
     "_accumulate.py": {
-        "_noise_scale": "set on an accumulating model together with "
-        "`_adascale`, past the setters, which check each against the "
-        "other's old value",
-        "_adascale": "set together with `_noise_scale` (see there)",
+        "_noise_scale": "the model's own `noise_scale` setting, not the "
+        "measurement the property returns (which AdaScale turns on): kept "
+        "when `accumulate` is called again without it",
+        "_init_accumulation": "what `AccumModel.__init__` gives a model, "
+        "given to one whose class `accumulate` swapped (never constructed)",
+        "_set_measurement": "`noise_scale` and `adascale` set together, "
+        "checked as a pair before either changes",
+    },
+    "_close.py": {
+        name: _ENGINE_PARTS
+        for name in (
+            "_accumulators",
+            "_adascale",
+            "_apply_hooks",
+            "_contributed",
+            "_discarded",
+            "_end_window",
+            "_micro_step",
+            "_noise_scale",
+            "_received",
+            "_received_flags",
+            "_variables",
+            "_weight_sum",
+        )
+    },
+    "_contribution.py": {
+        name: _ENGINE_PARTS
+        for name in (
+            "_accumulators",
+            "_contributed",
+            "_micro_step",
+            "_noise_scale",
+            "_received",
+            "_received_flags",
+            "_skipped",
+            "_weight_sum",
+        )
     },
     "_multi_worker.py": {
         "_maybe_symbolic_build": "Keras 3's `fit` builds the model through "
