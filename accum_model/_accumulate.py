@@ -93,7 +93,9 @@ def accumulate(
         ValueError: If `accum_steps` or `epoch_end` is invalid, if
             `noise_scale` or `adascale` changes on a model that has trained,
             if `adascale` is on with `noise_scale` measuring less often
-            than every window, or if Keras does not run on TensorFlow.
+            than every window, or if Keras does not run on TensorFlow. At
+            `fit`, as `AccumModel`: if the optimizer has Keras' own
+            `gradient_accumulation_steps` set.
     """
     if not isinstance(model, keras.Model):
         raise TypeError(

@@ -32,6 +32,7 @@ from accum_model import _keras
 from accum_model import _mixed_precision
 from accum_model import _noise_scale
 from accum_model._validation import check_accum_steps
+from accum_model._validation import check_optimizer_not_accumulating
 
 ADAPTER = _keras.ADAPTER
 
@@ -290,6 +291,7 @@ class GradientAccumulator(tf.Module):
         Raises:
             ValueError: As `accum_model.AdaScale`'s optimizer check.
         """
+        check_optimizer_not_accumulating(optimizer)
         if self._adascale is not None:
             _adascale.check_optimizer(optimizer)
 

@@ -23,6 +23,7 @@ from accum_model._settings import AccumSettings
 from accum_model._training_state import TrainingState
 from accum_model._validation import check_accum_steps
 from accum_model._validation import check_epoch_end
+from accum_model._validation import check_optimizer_not_accumulating
 
 ADAPTER = _keras.ADAPTER
 keras = _keras.keras
@@ -84,9 +85,11 @@ class AccumModel(
         ValueError: If `accum_steps` is not an integer >= 1, if `epoch_end` is
             not a known mode, if `adascale` is on with `noise_scale` measuring
             less often than every window, or if Keras does not run on
-            TensorFlow. With `adascale`, when the train function is built
-            with an optimizer other than SGD, or SGD with `weight_decay` or
-            gradient clipping.
+            TensorFlow. When the train function is built with an optimizer
+            that has Keras' own `gradient_accumulation_steps` set (at any
+            `accum_steps`: the two windows would multiply). With `adascale`,
+            when it is built with an optimizer other than SGD, or SGD with
+            `weight_decay` or gradient clipping.
         TypeError: If `noise_scale` or `adascale` is not one of the above.
     """
 
@@ -265,6 +268,9 @@ class AccumModel(
         return ADAPTER.logs_for_replica_reduction(self, logs)
 
     def make_train_function(self, force=False):
+        # At every `fit` (and for every front end built on this class),
+        # before anything is built: a refused optimizer changes nothing.
+        check_optimizer_not_accumulating(self.optimizer)
         # Keras has built the model and the optimizer by now (fit's symbolic
         # build); create the accumulators here so that the train step never
         # creates variables and traces no more often than plain fit's.

@@ -93,3 +93,38 @@ def as_setting(name, value, cls, accepted, on=None):
     if isinstance(value, dict):
         return cls(**value)
     raise TypeError(f"`{name}` must be {accepted}. Received: {name}={value!r}")
+
+
+def check_optimizer_not_accumulating(optimizer):
+    """Raises if `optimizer` accumulates gradients itself.
+
+    Keras 3's optimizers take `gradient_accumulation_steps`: each one then
+    applies once per that many calls, so under an accumulating model the
+    two windows would multiply (`accum_steps=4` with
+    `gradient_accumulation_steps=4` makes one update per 16 micro-batches)
+    and weigh micro-batches differently. Refused at any `accum_steps`, 1
+    included, because `accum_steps` can grow later without a new check
+    (between `fit` calls, or from `AccumStepsWarmup` during one). tf_keras'
+    optimizers have no such option: nothing to check there.
+
+    Args:
+        optimizer: A Keras optimizer, or None (nothing to check). A
+            `LossScaleOptimizer` is checked with its inner optimizer.
+
+    Raises:
+        ValueError: If `gradient_accumulation_steps` is set on `optimizer`
+            or its inner optimizer.
+    """
+    for candidate in (optimizer, getattr(optimizer, "inner_optimizer", None)):
+        steps = getattr(candidate, "gradient_accumulation_steps", None)
+        if steps:
+            raise ValueError(
+                "An accumulating model cannot be trained with an optimizer "
+                "that accumulates gradients itself: the two windows would "
+                "multiply. Use one or the other: `accum_steps` with "
+                "`gradient_accumulation_steps=None`, or Keras' built-in "
+                "option on a plain `keras.Model` (refused at any "
+                "`accum_steps`, 1 included, since it can grow later). "
+                f"Received: gradient_accumulation_steps={steps!r} "
+                f"(optimizer={type(candidate).__name__})"
+            )

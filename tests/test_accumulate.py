@@ -200,6 +200,31 @@ class AccumulateTest(tf.test.TestCase, parameterized.TestCase):
         self.assertIs(type(model), cls)
         self.assertNotIsInstance(model, AccumModel)
 
+    @parameterized.named_parameters(
+        ("sequential", "sequential"),
+        ("functional", "functional"),
+        ("subclassed", "subclassed"),
+    )
+    def test_optimizer_that_accumulates_itself_is_refused(self, kind):
+        # Two windows would multiply (issue 32); refused at `fit`, before
+        # the window or the optimizer is built.
+        if not tu.HAS_BUILTIN_ACCUMULATION:
+            self.skipTest("tf_keras has no built-in accumulation")
+        x, y = tu.regression_data(8)
+        model = accumulate(_KINDS[kind](), 2)
+        model.compile(
+            optimizer=keras.optimizers.SGD(0.1, gradient_accumulation_steps=2),
+            loss="mse",
+        )
+        before = model.get_weights()
+        with self.assertRaisesRegex(
+            ValueError, "Received: gradient_accumulation_steps=2 "
+        ):
+            model.fit(x, y, batch_size=2, verbose=0)
+        self.assertIsNone(model.gradient_accumulator)
+        self.assertEqual(int(model.optimizer.iterations), 0)
+        tu.assert_same_trajectory(self, [before], [model.get_weights()], atol=0)
+
     def test_own_methods_keep_working(self):
         x, y = tu.regression_data(8)
         model = accumulate(_sequential(), 2)
