@@ -23,6 +23,7 @@ from accum_model._settings import AccumSettings
 from accum_model._training_state import TrainingState
 from accum_model._validation import check_accum_steps
 from accum_model._validation import check_epoch_end
+from accum_model._validation import check_keywords
 from accum_model._validation import check_optimizer_not_accumulating
 
 ADAPTER = _keras.ADAPTER
@@ -90,7 +91,9 @@ class AccumModel(
             `accum_steps`: the two windows would multiply). With `adascale`,
             when it is built with an optimizer other than SGD, or SGD with
             `weight_decay` or gradient clipping.
-        TypeError: If `noise_scale` or `adascale` is not one of the above.
+        TypeError: If `noise_scale` or `adascale` is not one of the above,
+            or for a keyword close to one of these four names that the
+            Keras model does not take either (such as `acum_steps`).
     """
 
     _keeps_own_bases = True
@@ -104,6 +107,14 @@ class AccumModel(
         adascale=UNSET,
         **kwargs,
     ):
+        # Keras' Functional drops keywords it does not know: a misspelled
+        # `accum_steps` would train plain without a word.
+        check_keywords(
+            type(self).__name__,
+            kwargs,
+            _construction.ARGUMENTS,
+            passed_to=type(self).__mro__,
+        )
         accum_steps, epoch_end, noise_scale, adascale = (
             _construction.resolve_arguments(
                 self, accum_steps, epoch_end, noise_scale, adascale

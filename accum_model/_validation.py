@@ -1,5 +1,7 @@
 """The argument checks shared by the package's front ends."""
 
+import difflib
+import inspect
 import numbers
 
 import numpy as np
@@ -128,3 +130,41 @@ def check_optimizer_not_accumulating(optimizer):
                 f"Received: gradient_accumulation_steps={steps!r} "
                 f"(optimizer={type(candidate).__name__})"
             )
+
+
+def check_keywords(callee, kwargs, own, passed_to=None):
+    """Raises `TypeError` for a keyword argument `callee` would lose.
+
+    Args:
+        callee: Str. The function or class named in the message.
+        kwargs: Dict. The keyword arguments received beyond `callee`'s own.
+        own: The names of `callee`'s own arguments, suggested by closeness.
+        passed_to: None, when `callee` takes no keywords but `own`: any
+            other is refused. Or the classes `kwargs` go on to (a model's
+            bases): then only a keyword close to one of `own` and taken by
+            none of their `__init__`s is refused, since Keras' Functional
+            takes (and drops) keywords its signature does not name.
+
+    Raises:
+        TypeError: Naming the keyword and the closest of `own`, if any.
+    """
+    taken = set()
+    for cls in passed_to or ():
+        try:
+            parameters = inspect.signature(cls.__init__).parameters
+        except (TypeError, ValueError):
+            continue
+        taken.update(
+            name
+            for name, p in parameters.items()
+            if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+        )
+    for name, value in kwargs.items():
+        close = difflib.get_close_matches(name, own, n=1)
+        if passed_to is not None and (not close or name in taken):
+            continue
+        hint = f" Did you mean `{close[0]}`?" if close else ""
+        raise TypeError(
+            f"`{callee}` got an unexpected keyword argument `{name}`."
+            f"{hint} Received: {name}={value!r}"
+        )

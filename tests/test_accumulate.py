@@ -10,6 +10,7 @@ base's `fit`; custom train steps keep accumulating or say they do not.
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 import warnings
@@ -224,6 +225,29 @@ class AccumulateTest(tf.test.TestCase, parameterized.TestCase):
         self.assertIsNone(model.gradient_accumulator)
         self.assertEqual(int(model.optimizer.iterations), 0)
         tu.assert_same_trajectory(self, [before], [model.get_weights()], atol=0)
+
+    @parameterized.named_parameters(
+        ("accum_steps", {"acum_steps": 8}, "acum_steps", "accum_steps"),
+        (
+            "epoch_end",
+            {"accum_steps": 2, "epochend": 8},
+            "epochend",
+            "epoch_end",
+        ),
+        ("unrelated", {"accum_steps": 2, "shuffle": 8}, "shuffle", None),
+    )
+    def test_unknown_keyword_is_refused(self, kwargs, keyword, meant):
+        model = _sequential()
+        hint = f" Did you mean `{meant}`?" if meant else ""
+        message = (
+            f"`accumulate` got an unexpected keyword argument `{keyword}`."
+            f"{hint} Received: {keyword}=8"
+        )
+        with self.assertRaisesRegex(TypeError, re.escape(message) + "$"):
+            accumulate(model, **kwargs)
+        self.assertNotIsInstance(model, AccumModel)
+        with self.assertRaisesRegex(TypeError, "missing .*`accum_steps`"):
+            accumulate(model)
 
     def test_own_methods_keep_working(self):
         x, y = tu.regression_data(8)

@@ -1001,6 +1001,36 @@ class ValidationTest(tf.test.TestCase, parameterized.TestCase):
         model.fit(x, y, batch_size=2, verbose=0)
         self.assertEqual(int(model.optimizer.iterations), 4 // steps)
 
+    @parameterized.named_parameters(
+        ("functional_accum_steps", "functional", "acum_steps", "accum_steps"),
+        ("functional_epoch_end", "functional", "epochend", "epoch_end"),
+        ("functional_noise_scale", "functional", "noisescale", "noise_scale"),
+        ("subclassed_accum_steps", "subclassed", "accum_step", "accum_steps"),
+        ("subclassed_adascale", "subclassed", "ada_scale", "adascale"),
+    )
+    def test_misspelled_keyword_is_refused(self, kind, keyword, meant):
+        # Keras 3's Functional dropped `acum_steps=8` and the model trained
+        # plain without a word (issue 32).
+        message = f"`{keyword}`. Did you mean `{meant}`? Received: {keyword}=8"
+        with self.assertRaisesRegex(TypeError, re.escape(message)):
+            if kind == "functional":
+                tu.mlp(AccumModel, **{keyword: 8})
+            else:
+                DenseNet(**{keyword: 8})
+
+    @parameterized.named_parameters(
+        ("functional", "functional"), ("subclassed", "subclassed")
+    )
+    def test_keras_keywords_still_pass(self, kind):
+        kwargs = dict(name="net", trainable=False, accum_steps=2)
+        if kind == "functional":
+            model = tu.mlp(AccumModel, **kwargs)
+        else:
+            model = DenseNet(dtype="float64", **kwargs)
+            self.assertEqual(model.dtype, "float64")
+        self.assertEqual((model.name, model.trainable), ("net", False))
+        self.assertEqual(model.accum_steps, 2)
+
 
 class ConstructionTest(tf.test.TestCase):
     def test_functional_and_subclassed_in_either_order(self):
