@@ -17,6 +17,7 @@ from accum_model import _noise_scale
 from accum_model._model import AccumModel
 from accum_model._validation import check_accum_steps
 from accum_model._validation import check_epoch_end
+from accum_model._validation import check_keywords
 
 ADAPTER = _keras.ADAPTER
 keras = _keras.keras
@@ -28,10 +29,11 @@ _UNSET = _model_classes.UNSET
 
 def accumulate(
     model,
-    accum_steps,
+    accum_steps=_UNSET,
     epoch_end=_UNSET,
     noise_scale=_UNSET,
     adascale=_UNSET,
+    **kwargs,
 ):
     """Makes an existing Keras model accumulate gradients, in place.
 
@@ -84,17 +86,27 @@ def accumulate(
             AdaScale SGD, as `AccumModel` applies it (docs/adascale.md).
             It can change only before the model's first training step.
 
+        **kwargs: None are taken: an unknown keyword is refused with the
+            closest of the above.
+
     Returns:
         `model` itself.
 
     Raises:
-        TypeError: If `model` is not a `keras.Model` instance, or
+        TypeError: If `model` is not a `keras.Model` instance, if
+            `accum_steps` is missing, for an unknown keyword, or if
             `noise_scale` is not one of the above.
         ValueError: If `accum_steps` or `epoch_end` is invalid, if
             `noise_scale` or `adascale` changes on a model that has trained,
             if `adascale` is on with `noise_scale` measuring less often
-            than every window, or if Keras does not run on TensorFlow.
+            than every window, or if Keras does not run on TensorFlow. At
+            `fit`, as `AccumModel`: if the optimizer has Keras' own
+            `gradient_accumulation_steps` set.
     """
+    # Keyword-only misspellings (`acum_steps=8`) get the closest name.
+    check_keywords("accumulate", kwargs, _construction.ARGUMENTS)
+    if accum_steps is _UNSET:
+        raise TypeError("`accumulate` missing required argument `accum_steps`.")
     if not isinstance(model, keras.Model):
         raise TypeError(
             "`model` must be a `keras.Model` instance. Received: "

@@ -31,6 +31,7 @@ from accum_model import _control_flow
 from accum_model import _noise_scale
 from accum_model import _state
 from accum_model._validation import check_accum_steps
+from accum_model._validation import check_optimizer_not_accumulating
 
 
 class GradientAccumulator(tf.Module):
@@ -225,6 +226,7 @@ class GradientAccumulator(tf.Module):
         Raises:
             ValueError: As `accum_model.AdaScale`'s optimizer check.
         """
+        check_optimizer_not_accumulating(optimizer)
         if self._adascale is not None:
             _adascale.check_optimizer(optimizer)
 

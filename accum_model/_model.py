@@ -23,6 +23,8 @@ from accum_model._settings import AccumSettings
 from accum_model._training_state import TrainingState
 from accum_model._validation import check_accum_steps
 from accum_model._validation import check_epoch_end
+from accum_model._validation import check_keywords
+from accum_model._validation import check_optimizer_not_accumulating
 
 ADAPTER = _keras.ADAPTER
 keras = _keras.keras
@@ -84,10 +86,14 @@ class AccumModel(
         ValueError: If `accum_steps` is not an integer >= 1, if `epoch_end` is
             not a known mode, if `adascale` is on with `noise_scale` measuring
             less often than every window, or if Keras does not run on
-            TensorFlow. With `adascale`, when the train function is built
-            with an optimizer other than SGD, or SGD with `weight_decay` or
-            gradient clipping.
-        TypeError: If `noise_scale` or `adascale` is not one of the above.
+            TensorFlow. When the train function is built with an optimizer
+            that has Keras' own `gradient_accumulation_steps` set (at any
+            `accum_steps`: the two windows would multiply). With `adascale`,
+            when it is built with an optimizer other than SGD, or SGD with
+            `weight_decay` or gradient clipping.
+        TypeError: If `noise_scale` or `adascale` is not one of the above,
+            or for a keyword close to one of these four names that the
+            Keras model does not take either (such as `acum_steps`).
     """
 
     _keeps_own_bases = True
@@ -101,6 +107,14 @@ class AccumModel(
         adascale=UNSET,
         **kwargs,
     ):
+        # Keras' Functional drops keywords it does not know: a misspelled
+        # `accum_steps` would train plain without a word.
+        check_keywords(
+            type(self).__name__,
+            kwargs,
+            _construction.ARGUMENTS,
+            passed_to=type(self).__mro__,
+        )
         accum_steps, epoch_end, noise_scale, adascale = (
             _model_classes.resolve_arguments(
                 self, accum_steps, epoch_end, noise_scale, adascale
@@ -286,6 +300,9 @@ class AccumModel(
         return ADAPTER.logs_for_replica_reduction(self, logs)
 
     def make_train_function(self, force=False):
+        # At every `fit` (and for every front end built on this class),
+        # before anything is built: a refused optimizer changes nothing.
+        check_optimizer_not_accumulating(self.optimizer)
         # Keras has built the model and the optimizer by now (fit's symbolic
         # build); create the accumulators here so that the train step never
         # creates variables and traces no more often than plain fit's.

@@ -1,10 +1,12 @@
 """`save_plain`: a file of an accumulating model that Keras alone loads.
 
-An accumulating model is saved under `accum_model`'s class names, so loading
-it needs `accum_model` installed. For a service that only runs inference,
-`save_plain` writes the model as the class it is without accumulation: the
-class it had before `accumulate`, or Keras' Functional model for a
-functional `AccumModel`.
+An `AccumModel` is saved under `accum_model`'s class name, so loading it
+needs `accum_model` imported. (A model made by `accumulate` keeps its own
+class's name and module, which Keras alone loads as that plain class; see
+docs/models.md.) For a service that only runs inference, `save_plain`
+writes the model as the class it is without accumulation: the class it had
+before `accumulate`, or Keras' Functional model for a functional
+`AccumModel`, and never the window.
 """
 
 from accum_model import _keras

@@ -72,7 +72,8 @@ class ResumableBackup(ADAPTER.callback_base):
         save_freq: `"epoch"` (save at the end of every epoch) or an integer
             N >= 1: save every N batches, and at the end of every epoch.
         delete_checkpoint: Whether to delete the backup when `fit` ends
-            normally (an interrupted `fit` keeps it).
+            normally (an interrupted `fit` keeps it): its files, and
+            `backup_dir` when nothing else is left in it.
 
     Attributes:
         resumed_from: `(epoch, batches)` the last `fit` resumed from, or
@@ -220,6 +221,12 @@ class ResumableBackup(ADAPTER.callback_base):
         if metadata is not None:
             os.remove(self._metadata_path())
             self._remove_weights(directory, metadata["weights"])
+        # As Keras' `BackupAndRestore` does, but only what is left empty
+        # (never files of someone else's); a worker's own directory first,
+        # then `backup_dir` (the last of the workers to finish removes it).
+        _remove_if_empty(directory)
+        if directory != self.backup_dir:
+            _remove_if_empty(self.backup_dir)
 
     def _save(self, epoch, batches):
         directory = self._directory()
@@ -250,6 +257,28 @@ class ResumableBackup(ADAPTER.callback_base):
         for path in ADAPTER.backup_files(os.path.join(directory, name)):
             if os.path.exists(path):
                 os.remove(path)
+
+
+# TensorFlow's checkpoint index, which tf_keras' `save_weights` (TF format)
+# writes beside the weights and never removes.
+_CHECKPOINT_INDEX = "checkpoint"
+
+
+def _remove_if_empty(directory):
+    """Removes `directory` if nothing but a checkpoint index is left in it."""
+    try:
+        left = os.listdir(directory)
+    except FileNotFoundError:
+        return
+    if set(left) - {_CHECKPOINT_INDEX}:
+        return
+    try:
+        for name in left:
+            os.remove(os.path.join(directory, name))
+        os.rmdir(directory)
+    except OSError:
+        # Another worker's backup arrived, or removed it first.
+        pass
 
 
 def _scalars(logs):

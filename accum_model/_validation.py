@@ -1,5 +1,7 @@
 """The argument checks shared by the package's front ends."""
 
+import difflib
+import inspect
 import numbers
 
 import numpy as np
@@ -101,3 +103,76 @@ def as_setting(name, value, cls, accepted, on=None):
     if isinstance(value, dict):
         return cls(**value)
     raise TypeError(f"`{name}` must be {accepted}. Received: {name}={value!r}")
+
+
+def check_optimizer_not_accumulating(optimizer):
+    """Raises if `optimizer` accumulates gradients itself.
+
+    Keras 3's optimizers take `gradient_accumulation_steps`: each one then
+    applies once per that many calls, so under an accumulating model the
+    two windows would multiply (`accum_steps=4` with
+    `gradient_accumulation_steps=4` makes one update per 16 micro-batches)
+    and weigh micro-batches differently. Refused at any `accum_steps`, 1
+    included, because `accum_steps` can grow later without a new check
+    (between `fit` calls, or from `AccumStepsWarmup` during one). tf_keras'
+    optimizers have no such option: nothing to check there.
+
+    Args:
+        optimizer: A Keras optimizer, or None (nothing to check). A
+            `LossScaleOptimizer` is checked with its inner optimizer.
+
+    Raises:
+        ValueError: If `gradient_accumulation_steps` is set on `optimizer`
+            or its inner optimizer.
+    """
+    for candidate in (optimizer, getattr(optimizer, "inner_optimizer", None)):
+        steps = getattr(candidate, "gradient_accumulation_steps", None)
+        if steps:
+            raise ValueError(
+                "An accumulating model cannot be trained with an optimizer "
+                "that accumulates gradients itself: the two windows would "
+                "multiply. Use one or the other: `accum_steps` with "
+                "`gradient_accumulation_steps=None`, or Keras' built-in "
+                "option on a plain `keras.Model` (refused at any "
+                "`accum_steps`, 1 included, since it can grow later). "
+                f"Received: gradient_accumulation_steps={steps!r} "
+                f"(optimizer={type(candidate).__name__})"
+            )
+
+
+def check_keywords(callee, kwargs, own, passed_to=None):
+    """Raises `TypeError` for a keyword argument `callee` would lose.
+
+    Args:
+        callee: Str. The function or class named in the message.
+        kwargs: Dict. The keyword arguments received beyond `callee`'s own.
+        own: The names of `callee`'s own arguments, suggested by closeness.
+        passed_to: None, when `callee` takes no keywords but `own`: any
+            other is refused. Or the classes `kwargs` go on to (a model's
+            bases): then only a keyword close to one of `own` and taken by
+            none of their `__init__`s is refused, since Keras' Functional
+            takes (and drops) keywords its signature does not name.
+
+    Raises:
+        TypeError: Naming the keyword and the closest of `own`, if any.
+    """
+    taken = set()
+    for cls in passed_to or ():
+        try:
+            parameters = inspect.signature(cls.__init__).parameters
+        except (TypeError, ValueError):
+            continue
+        taken.update(
+            name
+            for name, p in parameters.items()
+            if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+        )
+    for name, value in kwargs.items():
+        close = difflib.get_close_matches(name, own, n=1)
+        if passed_to is not None and (not close or name in taken):
+            continue
+        hint = f" Did you mean `{close[0]}`?" if close else ""
+        raise TypeError(
+            f"`{callee}` got an unexpected keyword argument `{name}`."
+            f"{hint} Received: {name}={value!r}"
+        )

@@ -10,6 +10,7 @@ base's `fit`; custom train steps keep accumulating or say they do not.
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 import warnings
@@ -199,6 +200,54 @@ class AccumulateTest(tf.test.TestCase, parameterized.TestCase):
             accumulate(model, **kwargs)
         self.assertIs(type(model), cls)
         self.assertNotIsInstance(model, AccumModel)
+
+    @parameterized.named_parameters(
+        ("sequential", "sequential"),
+        ("functional", "functional"),
+        ("subclassed", "subclassed"),
+    )
+    def test_optimizer_that_accumulates_itself_is_refused(self, kind):
+        # Two windows would multiply (issue 32); refused at `fit`, before
+        # the window or the optimizer is built.
+        if not tu.HAS_BUILTIN_ACCUMULATION:
+            self.skipTest("tf_keras has no built-in accumulation")
+        x, y = tu.regression_data(8)
+        model = accumulate(_KINDS[kind](), 2)
+        model.compile(
+            optimizer=keras.optimizers.SGD(0.1, gradient_accumulation_steps=2),
+            loss="mse",
+        )
+        before = model.get_weights()
+        with self.assertRaisesRegex(
+            ValueError, "Received: gradient_accumulation_steps=2 "
+        ):
+            model.fit(x, y, batch_size=2, verbose=0)
+        self.assertIsNone(model.gradient_accumulator)
+        self.assertEqual(int(model.optimizer.iterations), 0)
+        tu.assert_same_trajectory(self, [before], [model.get_weights()], atol=0)
+
+    @parameterized.named_parameters(
+        ("accum_steps", {"acum_steps": 8}, "acum_steps", "accum_steps"),
+        (
+            "epoch_end",
+            {"accum_steps": 2, "epochend": 8},
+            "epochend",
+            "epoch_end",
+        ),
+        ("unrelated", {"accum_steps": 2, "shuffle": 8}, "shuffle", None),
+    )
+    def test_unknown_keyword_is_refused(self, kwargs, keyword, meant):
+        model = _sequential()
+        hint = f" Did you mean `{meant}`?" if meant else ""
+        message = (
+            f"`accumulate` got an unexpected keyword argument `{keyword}`."
+            f"{hint} Received: {keyword}=8"
+        )
+        with self.assertRaisesRegex(TypeError, re.escape(message) + "$"):
+            accumulate(model, **kwargs)
+        self.assertNotIsInstance(model, AccumModel)
+        with self.assertRaisesRegex(TypeError, "missing .*`accum_steps`"):
+            accumulate(model)
 
     def test_own_methods_keep_working(self):
         x, y = tu.regression_data(8)

@@ -248,6 +248,38 @@ class ValidationTest(tf.test.TestCase, parameterized.TestCase):
             acc.accumulate([tf.constant([1.0]), tf.constant([1.0])])
         self.assertEqual(int(acc.micro_step), 0)
 
+    @parameterized.named_parameters(
+        ("step_eager", "step", False),
+        ("step_function", "step", True),
+        ("apply_eager", "apply", False),
+        ("apply_function", "apply", True),
+    )
+    def test_optimizer_that_accumulates_itself_is_refused(self, call, traced):
+        # Two windows would multiply (issue 32): refused before the
+        # micro-batch is added or anything applied.
+        if not tu.HAS_BUILTIN_ACCUMULATION:
+            self.skipTest("tf_keras has no built-in accumulation")
+        v = tf.Variable([1.0])
+        opt = keras.optimizers.SGD(1.0, gradient_accumulation_steps=2)
+        acc = GradientAccumulator([v], accum_steps=2)
+
+        def run():
+            if call == "step":
+                return acc.step([tf.constant([1.0])], opt)
+            return acc.apply(opt)
+
+        run = tf.function(run) if traced else run
+        with self.assertRaisesRegex(
+            ValueError,
+            re.escape(
+                "Received: gradient_accumulation_steps=2 (optimizer=SGD)"
+            ),
+        ):
+            run()
+        self.assertEqual(int(acc.micro_step), 0)
+        self.assertAllEqual(v, [1.0])
+        self.assertEqual(int(opt.iterations), 0)
+
 
 class XlaApplyTest(tf.test.TestCase):
     def test_xla_keeps_the_apply_out_of_every_micro_step(self):

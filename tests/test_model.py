@@ -82,6 +82,17 @@ def _probability_loss_sgd_float64(
     return trajectory
 
 
+class DenseNet(AccumModel):
+    """A subclassed `AccumModel` with one Dense layer."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = keras.layers.Dense(3)
+
+    def call(self, x):
+        return self.dense(x)
+
+
 class EquivalenceTest(tf.test.TestCase, parameterized.TestCase):
     @parameterized.named_parameters(
         (f"{opt}_{name}", opt, n, micro, steps)
@@ -961,6 +972,75 @@ class ValidationTest(tf.test.TestCase, parameterized.TestCase):
         with mock.patch.object(keras.backend, "backend", return_value="jax"):
             with self.assertRaisesRegex(ValueError, "TensorFlow backend"):
                 tu.mlp(AccumModel, accum_steps=2)
+
+    @parameterized.named_parameters(
+        ("functional", "functional", 4),
+        ("functional_accum_steps_1", "functional", 1),
+        ("subclassed", "subclassed", 4),
+        ("loss_scale_optimizer", "loss_scale", 4),
+    )
+    def test_optimizer_that_accumulates_itself_is_refused(self, kind, steps):
+        # Two windows would multiply: accum_steps=4 with the optimizer's own
+        # 4 made one update per 16 micro-batches (issue 32).
+        if not tu.HAS_BUILTIN_ACCUMULATION:
+            self.skipTest("tf_keras has no built-in accumulation")
+        x, y = tu.regression_data(8)
+        sgd = keras.optimizers.SGD(0.1, gradient_accumulation_steps=4)
+        if kind == "subclassed":
+            model = DenseNet(accum_steps=steps)
+            model(x[:1])
+        else:
+            model = tu.mlp(AccumModel, accum_steps=steps)
+        if kind == "loss_scale":
+            sgd = keras.optimizers.LossScaleOptimizer(sgd)
+        model.compile(optimizer=sgd, loss="mse")
+        before = model.get_weights()
+        with self.assertRaisesRegex(
+            ValueError,
+            "Use one or the other: `accum_steps` with "
+            "`gradient_accumulation_steps=None`, or Keras' built-in option on "
+            "a plain `keras.Model`.*"
+            + re.escape("Received: gradient_accumulation_steps=4 "),
+        ):
+            model.fit(x, y, batch_size=2, verbose=0)
+        # Refused before anything was built or trained.
+        self.assertIsNone(model.gradient_accumulator)
+        self.assertEqual(int(model.optimizer.iterations), 0)
+        tu.assert_same_trajectory(self, [before], [model.get_weights()], atol=0)
+        # The same model trains with the optimizer's option off.
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+        model.fit(x, y, batch_size=2, verbose=0)
+        self.assertEqual(int(model.optimizer.iterations), 4 // steps)
+
+    @parameterized.named_parameters(
+        ("functional_accum_steps", "functional", "acum_steps", "accum_steps"),
+        ("functional_epoch_end", "functional", "epochend", "epoch_end"),
+        ("functional_noise_scale", "functional", "noisescale", "noise_scale"),
+        ("subclassed_accum_steps", "subclassed", "accum_step", "accum_steps"),
+        ("subclassed_adascale", "subclassed", "ada_scale", "adascale"),
+    )
+    def test_misspelled_keyword_is_refused(self, kind, keyword, meant):
+        # Keras 3's Functional dropped `acum_steps=8` and the model trained
+        # plain without a word (issue 32).
+        message = f"`{keyword}`. Did you mean `{meant}`? Received: {keyword}=8"
+        with self.assertRaisesRegex(TypeError, re.escape(message)):
+            if kind == "functional":
+                tu.mlp(AccumModel, **{keyword: 8})
+            else:
+                DenseNet(**{keyword: 8})
+
+    @parameterized.named_parameters(
+        ("functional", "functional"), ("subclassed", "subclassed")
+    )
+    def test_keras_keywords_still_pass(self, kind):
+        kwargs = dict(name="net", trainable=False, accum_steps=2)
+        if kind == "functional":
+            model = tu.mlp(AccumModel, **kwargs)
+        else:
+            model = DenseNet(dtype="float64", **kwargs)
+            self.assertEqual(model.dtype, "float64")
+        self.assertEqual((model.name, model.trainable), ("net", False))
+        self.assertEqual(model.accum_steps, 2)
 
 
 class ConstructionTest(tf.test.TestCase):

@@ -11,6 +11,7 @@ window may change in that call.
 """
 
 import os
+import warnings
 
 import numpy as np
 import tensorflow as tf
@@ -285,6 +286,39 @@ class PipelineTest(tf.test.TestCase, parameterized.TestCase):
         )
         model.fit(dataset, epochs=_EPOCHS, verbose=0)
         self.assertGreater(int(model.optimizer.iterations), 4 * _EPOCHS)
+
+    def test_canary_keras_warnings_on_unknown_length_are_plain_keras(self):
+        # A canary on Keras: Keras 3 warns "Your input ran out of data" at
+        # every epoch of unknown length, and about `shuffle` (fit's default)
+        # on any dataset, for plain models alike; docs/pipelines.md says so,
+        # lest a user read them as accumulation failing. tf_keras is silent.
+        x, y = tu.classification_data(80)
+        dataset = (
+            tf.data.Dataset.from_tensor_slices((x, y))
+            .filter(lambda a, b: True)
+            .batch(_MICRO)
+        )
+        counts = []
+        for model in (
+            _model(keras.Model),
+            _model(AccumModel, accum_steps=_STEPS),
+        ):
+            _compile(model)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                model.fit(dataset, epochs=_EPOCHS, verbose=0)
+            messages = [str(w.message) for w in caught]
+            counts.append(
+                [
+                    sum(m.startswith(start) for m in messages)
+                    for start in (
+                        "Your input ran out of data; interrupting training.",
+                        "`shuffle=True` was passed, but will be ignored",
+                    )
+                ]
+            )
+        expected = [0, 0] if tu.TF_KERAS else [_EPOCHS, 1]
+        self.assertEqual(counts, [expected, expected])
 
 
 class CustomLoopPipelineTest(tf.test.TestCase, parameterized.TestCase):

@@ -95,6 +95,27 @@ class SavePlainTest(tf.test.TestCase, parameterized.TestCase):
         model.save(path)
         return path
 
+    def test_model_save_of_accumulate_loads_plain_in_keras_alone(self):
+        # Deliberate (issue 32): `accumulate` keeps the model's own Keras
+        # class in the file, which Keras alone finds by its module, and
+        # drops the accumulation settings and the window. An `AccumModel`
+        # file names `accum_model`'s class, so Keras alone refuses it.
+        x, _ = tu.regression_data(3, seed=5)
+        paths, expected = [], {}
+        for kind in ("functional", "sequential"):
+            model = self._trained_mid_window(kind)
+            path = self._saved(model, kind)
+            paths.append(path)
+            expected[path] = (_PLAIN_CLASS[kind], model.predict(x, verbose=0))
+        loaded = tu.load_without_accum_model(paths, x)
+        for path, (class_name, predictions) in expected.items():
+            self.assertEqual(loaded[path][0], class_name, path)
+            self.assertAllClose(loaded[path][1], predictions, atol=1e-6)
+        path = self._saved(self._trained_mid_window("accum_model"), "accum")
+        # The end of Keras' message: the config of the class it cannot find.
+        with self.assertRaisesRegex(AssertionError, "accum_model>AccumModel"):
+            tu.load_without_accum_model([path], x)
+
     def test_refuses_what_has_no_plain_class(self):
         with self.assertRaisesRegex(TypeError, "of type Sequential"):
             accum_model.save_plain(_sequential(), "unused.keras")

@@ -234,6 +234,22 @@ class ResumableBackupTest(tf.test.TestCase, parameterized.TestCase):
             1e-3,
         )
 
+    @parameterized.named_parameters(("deleted", True), ("kept", False))
+    def test_clean_run_deletes_its_backup(self, delete):
+        # A clean run left an empty `backup_dir` behind (issue 32).
+        directory = os.path.join(self.get_temp_dir(), f"clean-{delete}")
+        model = tu.mlp(AccumModel, accum_steps=_STEPS)
+        model.compile(optimizer=tu.OPTIMIZERS["sgd"](), loss="mse")
+        backup = ResumableBackup(
+            directory, save_freq=1, delete_checkpoint=delete
+        )
+        model.fit(
+            self.x, self.y, batch_size=_MICRO, verbose=0, callbacks=[backup]
+        )
+        self.assertEqual(os.path.exists(directory), not delete)
+        if not delete:
+            self.assertEqual(backup.read_metadata()["epoch"], 1)
+
     def test_bad_arguments(self):
         with self.assertRaisesRegex(ValueError, "save_freq=0"):
             ResumableBackup("/tmp/x", save_freq=0)
