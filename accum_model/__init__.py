@@ -2,12 +2,13 @@
 
 The modules, in the order a micro-batch meets them: `_model` (`AccumModel`'s
 `train_step`: forward pass, loss, and the weight from `_normalizers`), then
-`_accumulator` (`GradientAccumulator`, the engine: the micro-batch into the
-window, then the window out through the optimizer; with the rules of
+`_accumulator` (`GradientAccumulator`, the engine, its state declared in
+`_state`): the micro-batch into the window (`_contribution`), then the
+window out through the optimizer (`_close`); with the rules of
 `_mixed_precision`, `_noise_scale`, `_adascale`, `_control_flow`, and the
-apply hooks of `_batchnorm`). Around them: `_settings` (a model's settings
+apply hooks of `_batchnorm`. Around them: `_settings` (a model's settings
 and the readings of its window), `_epoch_end` (partial windows at
-epoch ends), `_training_state` (what a model saves and warns once),
+epoch ends), `_model_engine` (the engine a model holds, saves and warns from),
 `_model_classes` and `_accumulate` (how models become accumulating), `_plain`
 (files for Keras alone), `_multi_worker`, `_resume`, `_warmup`,
 `_validation`, and `_keras`, the one place Keras 3 and tf_keras differ, with

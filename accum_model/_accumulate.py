@@ -104,7 +104,7 @@ def accumulate(
             `gradient_accumulation_steps` set.
     """
     # Keyword-only misspellings (`acum_steps=8`) get the closest name.
-    check_keywords("accumulate", kwargs, _construction.ARGUMENTS)
+    check_keywords("accumulate", kwargs, _model_classes.ARGUMENTS)
     if accum_steps is _UNSET:
         raise TypeError("`accumulate` missing required argument `accum_steps`.")
     if not isinstance(model, keras.Model):

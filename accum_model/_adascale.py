@@ -30,6 +30,7 @@ from accum_model import _noise_scale
 from accum_model import _state
 from accum_model._validation import SettingConfig
 from accum_model._validation import as_setting
+from accum_model._validation import is_real
 
 ADAPTER = _keras.ADAPTER
 
@@ -67,8 +68,7 @@ class AdaScale(SettingConfig):
 
     def __init__(self, base_batch):
         if (
-            isinstance(base_batch, bool)
-            or not isinstance(base_batch, numbers.Real)
+            not is_real(base_batch)
             or not base_batch > 0
             or base_batch == float("inf")
         ):
@@ -146,8 +146,9 @@ def check_optimizer(optimizer):
             its inner optimizer).
 
     Raises:
-        ValueError: If the optimizer is not SGD, or has `weight_decay`,
-            gradient clipping or its own gradient accumulation.
+        ValueError: If the optimizer is not SGD, or has `weight_decay` or
+            gradient clipping. (Its own gradient accumulation is refused
+            for every accumulating model: `_validation`.)
     """
     inner = ADAPTER.inner_optimizer(optimizer)
     if not ADAPTER.is_sgd(inner):
@@ -174,13 +175,6 @@ def check_optimizer(optimizer):
                 "folded into the gradient, which clipping would undo. "
                 f"Received: {name}={value!r}"
             )
-    steps = getattr(inner, "gradient_accumulation_steps", None)
-    if steps:
-        raise ValueError(
-            "`adascale` cannot be used with the optimizer's own "
-            "`gradient_accumulation_steps` (accumulate with `accum_steps`). "
-            f"Received: gradient_accumulation_steps={steps!r}"
-        )
 
 
 def gain(trace, grad_sq, weight, base_batch):

@@ -21,7 +21,7 @@ def with_flush_callback(model, state, next_fit, args, kwargs):
 
     Args:
         model: The `AccumModel`.
-        state: Its `TrainingState`, which gives the epoch end's warnings.
+        state: Its `ModelEngine`, which gives the epoch end's warnings.
         next_fit: The `fit` the arguments go to (a base's own `fit` may take
             `callbacks` at another position than `keras.Model.fit`).
         args: The positional arguments as `fit` received them.
@@ -84,7 +84,7 @@ class EpochEndFlush(ADAPTER.callback_base):
     covers epochs without validation. The second call finds nothing pending.
 
     Args:
-        state: The model's `TrainingState`.
+        state: The model's `ModelEngine`.
     """
 
     def __init__(self, state):

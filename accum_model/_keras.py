@@ -426,7 +426,7 @@ class _Keras3Adapter:
     # Serialization and callbacks
 
     def track_state(self, model, accumulator):
-        del model, accumulator  # Keras 3 saves it through `TrainingState`.
+        del model, accumulator  # Keras 3 saves it through `ModelEngine`.
 
     def register_serializable(self, cls):
         return keras.saving.register_keras_serializable(package="accum_model")(

@@ -4,7 +4,7 @@ The training path: `train_step` (one micro-batch into the window, which
 applies when full), the epoch-end flush and `fit`. Its settings and the
 readings of its window are in `_settings`, how its objects and classes are
 built in `_model_classes`, what it keeps besides its weights in
-`_training_state`, and the window itself in `_accumulator`.
+`_model_engine`, and the window itself in `_accumulator`.
 """
 
 import warnings
@@ -18,9 +18,9 @@ from accum_model import _keras
 from accum_model import _model_classes
 from accum_model import _noise_scale
 from accum_model import _normalizers
+from accum_model._model_engine import ModelEngine
 from accum_model._multi_worker import MultiWorkerFitWorkarounds
 from accum_model._settings import AccumSettings
-from accum_model._training_state import TrainingState
 from accum_model._validation import check_accum_steps
 from accum_model._validation import check_epoch_end
 from accum_model._validation import check_keywords
@@ -112,7 +112,7 @@ class AccumModel(
         check_keywords(
             type(self).__name__,
             kwargs,
-            _construction.ARGUMENTS,
+            _model_classes.ARGUMENTS,
             passed_to=type(self).__mro__,
         )
         accum_steps, epoch_end, noise_scale, adascale = (
@@ -147,7 +147,7 @@ class AccumModel(
             adascale: An `AdaScale`, or None; checked against `noise_scale`.
         """
         self._init_settings(accum_steps, epoch_end, noise_scale, adascale)
-        self._accum_state = TrainingState(self)
+        self._accum_state = ModelEngine(self)
         self._flush_function = None
         self._flush_accumulator = lambda: None
 
@@ -362,7 +362,7 @@ AccumModel = ADAPTER.register_serializable(AccumModel)
 
 
 def training_state(model):
-    """The `TrainingState` of an `AccumModel` (for `save_plain`)."""
+    """The `ModelEngine` of an `AccumModel` (for `save_plain`)."""
     return model._accum_state
 
 

@@ -28,14 +28,13 @@ accumulator does anyway for the weight sum.
 This module knows TensorFlow only.
 """
 
-import numbers
-
 import tensorflow as tf
 
 from accum_model import _state
 from accum_model._validation import SettingConfig
 from accum_model._validation import as_setting
 from accum_model._validation import check_integer
+from accum_model._validation import is_real
 
 
 class NoiseScale(SettingConfig):
@@ -57,11 +56,7 @@ class NoiseScale(SettingConfig):
 
     def __init__(self, every=1, beta=0.99):
         every = check_integer("every", every, 1)
-        if (
-            isinstance(beta, bool)
-            or not isinstance(beta, numbers.Real)
-            or not 0.0 <= beta < 1.0
-        ):
+        if not is_real(beta) or not 0.0 <= beta < 1.0:
             raise ValueError(
                 f"`beta` must be a float in [0, 1). Received: beta={beta!r}"
             )

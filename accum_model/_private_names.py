@@ -174,7 +174,7 @@ PRIVATE_NAMES = {
         "`tf.function`, set on the epoch-end apply, which each model traces "
         "once (the warning would count the models of one process)",
     },
-    "_training_state.py": {
+    "_model_engine.py": {
         "_obj_type": "what Keras 3's saving records for a `KerasSaveable`; "
         "the state says what kind of object it is",
     },

@@ -1,6 +1,6 @@
 """What an `AccumModel` keeps besides its weights, and what it warns once.
 
-`TrainingState` holds the model's `GradientAccumulator` (built once the
+`ModelEngine` holds the model's `GradientAccumulator` (built once the
 model and its optimizer are), is saved with the model, and keeps the flags
 of the warnings a model gives once (a `train_step` that bypasses the window,
 a plain BatchNormalization, discarded windows).
@@ -16,12 +16,13 @@ from accum_model import _adascale
 from accum_model import _keras
 from accum_model._accumulator import GradientAccumulator
 from accum_model._close import build_optimizer
+from accum_model._validation import check_optimizer_not_accumulating
 
 ADAPTER = _keras.ADAPTER
 keras = _keras.keras
 
 
-class TrainingState(ADAPTER.saveable_base):
+class ModelEngine(ADAPTER.saveable_base):
     """Holds the accumulator of an `AccumModel`: training state, not weights.
 
     Keras' saving visits this object (it is a saveable attribute of the model)
@@ -73,9 +74,12 @@ class TrainingState(ADAPTER.saveable_base):
                 with tf.init_scope(), model.distribute_strategy.scope():
                     build_optimizer(model.optimizer, variables)
             return self.accumulator
-        if model.adascale is not None and model.optimizer is not None:
-            # Before any variable is created or changed.
-            _adascale.check_optimizer(model.optimizer)
+        if model.optimizer is not None:
+            # Before any variable is created or changed (also when a file
+            # is loaded before any `fit`).
+            check_optimizer_not_accumulating(model.optimizer)
+            if model.adascale is not None:
+                _adascale.check_optimizer(model.optimizer)
         with tf.init_scope():
             if (
                 self.accumulator is not None
