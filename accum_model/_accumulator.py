@@ -192,12 +192,8 @@ class GradientAccumulator(tf.Module):
 
     @property
     def discarded_windows(self):
-        """Int64 tensor. Windows not applied: their gradients were not finite.
-
-        A window whose accumulated gradients hold an `inf` or `NaN` (on any
-        replica) is discarded whole when it closes, whatever closes it, and
-        counted here; the weights stay those of the last finite update.
-        """
+        """Int64 tensor. Windows discarded whole, not applied, as their
+        gradients held an `inf` or `NaN` (on any replica) when they closed."""
         return self._discarded.read_value()
 
     @property
@@ -219,12 +215,12 @@ class GradientAccumulator(tf.Module):
     def check_optimizer(self, optimizer):
         """Raises if `optimizer` cannot apply this engine's windows.
 
-        With AdaScale on, only Keras' SGD can (see `AdaScale`); called by
-        `step` and `apply` when they are traced, and by `AccumModel` before
-        its train function is built.
+        Called by `step` and `apply` when they are traced.
 
         Raises:
-            ValueError: As `accum_model.AdaScale`'s optimizer check.
+            ValueError: If it accumulates gradients itself (Keras 3's
+                `gradient_accumulation_steps`), or with AdaScale on, as
+                `accum_model.AdaScale`'s optimizer check (SGD only).
         """
         check_optimizer_not_accumulating(optimizer)
         if self._adascale is not None:
@@ -265,22 +261,16 @@ class GradientAccumulator(tf.Module):
         optimizer before the first trace.
 
         Args:
-            grads: As in `accumulate()`.
             optimizer: The optimizer to apply the mean with (Keras 3 or
                 tf_keras), called once per window.
-            weight: As in `accumulate()`.
-            is_finite: As in `accumulate()`.
-            loss_scale: As in `accumulate()`.
-            jit_compile: As in `accumulate()`.
+            grads, weight, is_finite, loss_scale, jit_compile,
             weight_in_loss: As in `accumulate()`.
 
         Returns:
             A bool scalar tensor: whether this call closed a window.
 
         Raises:
-            ValueError: If `grads` does not hold one gradient per variable,
-                or if a Keras 3 `LossScaleOptimizer` is not built yet when
-                the step is traced.
+            ValueError: As `accumulate()`, and as `check_optimizer()`.
         """
         xla = _resolve_xla(jit_compile)
         # Before anything of the micro-batch runs.
