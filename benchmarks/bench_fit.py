@@ -45,6 +45,13 @@ With `--adascale` (SGD only: AdaScale refuses AdamW) it adds
 ratio to `accum_gns_k1` (when `--noise_scale_every` holds 1) is what the
 gain costs on top of the measurement it needs.
 
+With `--baseline=DIR` it adds `accum_baseline`: an `AccumModel` of an
+old copy of the package (DIR holds its `accum_model` folder, e.g. from
+`git archive REV accum_model | tar -x -C DIR`), imported in this process
+under another module name, and the ratio accum / accum_baseline (its own
+table): an engine change timed against the code before it in one
+interleaved run, with the A/A control beside it.
+
 It also reports the accumulator's memory (every state variable of the
 engine, in bytes, against the bytes of the trainable weights), the number of
 Python traces of `train_step` for `accum` and `plain_B` over all the `fit`
@@ -53,18 +60,23 @@ calls made here.
     python benchmarks/bench_fit.py                  # ~8 min on 2 CPU cores
     python benchmarks/bench_fit.py --quick          # smoke run, seconds
     python benchmarks/bench_fit.py --json out.json --jit_compile=true
+    python benchmarks/bench_fit.py --workloads=mlp --baseline=/tmp/old
 
 Uses a GPU when TensorFlow sees one (Keras then compiles with XLA by
 default; `--jit_compile` overrides it); `--device=cpu` or `--device=gpu`
 chooses.
 """
 
+import importlib
 import importlib.metadata
 import json
 import math
 import os
 import platform
+import re
 import statistics
+import sys
+import tempfile
 import time
 
 import numpy as np
@@ -155,8 +167,17 @@ _ADASCALE = flags.DEFINE_bool(
 _CONTENDERS = flags.DEFINE_list(
     "contenders",
     [],
-    f"Only these of {CONTENDERS} (plus the accum_gns ones; accum is always "
-    "run). Default: all.",
+    f"Only these of {CONTENDERS} (plus the accum_gns and baseline ones; "
+    "accum is always run). Default: all.",
+)
+_BASELINE = flags.DEFINE_list(
+    "baseline",
+    [],
+    "Directories, each holding an old copy of the package (a folder "
+    "`accum_model`, e.g. from `git archive REV accum_model | tar -x -C "
+    "DIR`), or that folder itself. Each adds a contender `accum_baseline` "
+    "(`accum_baseline2`, ... for more): an AccumModel of that copy, loaded "
+    "in this process under another module name, timed against `accum`.",
 )
 
 
@@ -376,12 +397,59 @@ class _Contender:
         return tuple(b - a for a, b in zip(self.timer.start, self.timer.end))
 
 
-def _contender_names(only=(), noise_scale_every=(), adascale=False):
+def baseline_names(count):
+    """The contenders' names of `count` baseline copies."""
+    return [f"accum_baseline{i + 1 if i else ''}" for i in range(count)]
+
+
+def load_baseline(path, module_name):
+    """Imports the copy of the package at `path` as `module_name`.
+
+    The copy's modules import each other as `accum_model.<module>`, which
+    would be the current package's; so its `.py` files are copied to a
+    temporary folder with every `accum_model` name (imports, and the
+    package name its Keras classes are registered under) changed to
+    `module_name`, and imported from there. Both packages then live in one
+    process, each with its own classes and engine.
+    """
+    source = os.path.join(path, "accum_model")
+    if not os.path.isfile(os.path.join(source, "__init__.py")):
+        source = path
+    if not os.path.isfile(os.path.join(source, "__init__.py")):
+        raise app.UsageError(
+            f"`--baseline` must name a folder holding a copy of the package "
+            f"(`accum_model/__init__.py`), or that copy. Received: {path!r}"
+        )
+    root = tempfile.mkdtemp(prefix="bench_fit_baseline_")
+    name = re.compile(r"\baccum_model\b")
+    for folder, subfolders, files in os.walk(source):
+        subfolders[:] = [d for d in subfolders if d != "__pycache__"]
+        target = os.path.join(
+            root, module_name, os.path.relpath(folder, source)
+        )
+        os.makedirs(target, exist_ok=True)
+        for file in files:
+            if file.endswith(".py"):
+                with open(os.path.join(folder, file)) as f:
+                    text = f.read()
+                with open(os.path.join(target, file), "w") as f:
+                    f.write(name.sub(module_name, text))
+    sys.path.insert(0, root)
+    try:
+        return importlib.import_module(module_name)
+    finally:
+        sys.path.remove(root)
+
+
+def _contender_names(
+    only=(), noise_scale_every=(), adascale=False, baselines=0
+):
     names = [c for c in CONTENDERS if not (c == "builtin" and TF_KERAS)]
     if only:
         names = [c for c in names if c in only or c == "accum"]
     names += [f"accum_gns_k{int(k)}" for k in noise_scale_every]
-    return names + (["accum_adascale"] if adascale else [])
+    names += ["accum_adascale"] if adascale else []
+    return names + baseline_names(baselines)
 
 
 def _build_contenders(
@@ -394,16 +462,22 @@ def _build_contenders(
     only=(),
     noise_scale_every=(),
     adascale=False,
+    baselines=(),
 ):
     builder = _BUILDERS[workload]
     contenders = []
     # AdaScale refuses every optimizer but SGD.
     adascale = adascale and optimizer == "sgd"
-    for name in _contender_names(only, noise_scale_every, adascale):
+    names = _contender_names(only, noise_scale_every, adascale, len(baselines))
+    packages = dict(zip(baseline_names(len(baselines)), baselines))
+    for name in names:
         keras.utils.set_random_seed(0)
         inputs, outputs, x, y = builder(quick, samples)
         if name in ("accum", "accum_again"):
             cls, kwargs = _counting(AccumModel), {"accum_steps": n}
+        elif name in packages:
+            cls = _counting(packages[name].AccumModel)
+            kwargs = {"accum_steps": n}
         elif name.startswith("accum_gns_k"):
             every = int(name[len("accum_gns_k") :])
             cls, kwargs = (
@@ -503,6 +577,7 @@ def run_one(
     only=(),
     noise_scale_every=(),
     adascale=False,
+    baselines=(),
 ):
     """Times the contenders on one workload; returns a result dict."""
     samples = max(8 * micro * n, 512 if not quick else 0)
@@ -516,6 +591,7 @@ def run_one(
         only,
         noise_scale_every,
         adascale,
+        baselines,
     )
     by_name = {c.name: c for c in contenders}
 
@@ -573,6 +649,7 @@ def run_one(
             k: statistics.median(v) for k, v in rates.items()
         },
         "noise_scale": {},
+        "baseline": {},
         "ratios": {},
         "memory": {
             "trainable_parameter_bytes": params,
@@ -624,6 +701,18 @@ def run_one(
                 "b_simple": float(estimator.b_simple),
                 "state_bytes": _state_bytes(estimator.state_variables),
             }
+    for name in baseline_names(len(baselines)):
+        result["baseline"][name] = {
+            "ratio_of_accum": ratio("accum", name),
+            "ratio_to_builtin": (
+                ratio(name, "builtin") if "builtin" in rates else None
+            ),
+            "traces": type(by_name[name].model).traces,
+            # Where its engine came from: the copy, not this package.
+            "engine_module": type(
+                by_name[name].model.gradient_accumulator
+            ).__module__,
+        }
     if "accum_adascale" in by_name:
         model = by_name["accum_adascale"].model
         result["adascale"] = {
@@ -740,6 +829,25 @@ def format_adascale_table(results):
     return "\n".join(lines)
 
 
+def format_baseline_table(results):
+    """The current package's rates over each baseline copy's, as Markdown."""
+    lines = [
+        "| workload | optimizer | contender | accum / baseline | "
+        "baseline / built-in | accum / built-in | A/A: accum / accum_again |",
+        "|---" * 7 + "|",
+    ]
+    for r in results:
+        for name, v in r["baseline"].items():
+            lines.append(
+                f"| {r['workload']} | {r['optimizer']} | {name} | "
+                f"{_fmt_ratio(v['ratio_of_accum'])} | "
+                f"{_fmt_ratio(v['ratio_to_builtin'])} | "
+                f"{_fmt_ratio(r['ratios'].get('accum/builtin'))} | "
+                f"{_fmt_ratio(r['ratios'].get('accum/accum_again'))} |"
+            )
+    return "\n".join(lines)
+
+
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError("Too many command-line arguments.")
@@ -774,6 +882,12 @@ def main(argv):
     # Each model's flush is its own tf.function, traced once; TensorFlow's
     # retracing warning counts them together across the models built here.
     tf.get_logger().setLevel("ERROR")
+    baselines = [
+        load_baseline(path, f"accum_model_{name}")
+        for path, name in zip(
+            _BASELINE.value, baseline_names(len(_BASELINE.value))
+        )
+    ]
     quick = _QUICK.value
     repeats = 1 if quick else _REPEATS.value
     micro = 4 if quick else _BATCH_SIZE.value
@@ -794,6 +908,7 @@ def main(argv):
                 _CONTENDERS.value,
                 _NOISE_SCALE_EVERY.value,
                 _ADASCALE.value,
+                baselines,
             )
             results.append(result)
             print(
@@ -813,6 +928,9 @@ def main(argv):
         print()
     if _ADASCALE.value:
         print(format_adascale_table(results))
+        print()
+    if baselines:
+        print(format_baseline_table(results))
         print()
     device = (
         _DEVICE.value != "cpu" and ", ".join(info["gpus"])
@@ -844,7 +962,14 @@ def main(argv):
                         _CONTENDERS.value,
                         _NOISE_SCALE_EVERY.value,
                         _ADASCALE.value,
+                        len(baselines),
                     ),
+                    "baselines": {
+                        name: os.path.abspath(path)
+                        for name, path in zip(
+                            baseline_names(len(baselines)), _BASELINE.value
+                        )
+                    },
                     "results": results,
                 },
                 f,

@@ -9,6 +9,7 @@ import functools
 import importlib.util
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -180,6 +181,53 @@ class BenchFitNoiseScaleTest(tf.test.TestCase):
         # tau, the gain and the learning rate: three scalars.
         self.assertEqual(entry["state_bytes"], 8 + 4 + 4)
         self.assertIn("| mlp | sgd |", result.stdout)
+
+
+class BenchFitBaselineTest(tf.test.TestCase):
+    def test_an_old_copy_of_the_package_is_timed_against_this_one(self):
+        # The copy is this package's own files: what is checked is that it
+        # loads under another module name beside this one and runs its own
+        # engine, in graph mode and under XLA.
+        old = tempfile.mkdtemp()
+        shutil.copytree(
+            os.path.join(_ROOT, "accum_model"),
+            os.path.join(old, "accum_model"),
+            ignore=shutil.ignore_patterns("__pycache__"),
+        )
+        for jit_compile in ("false", "true"):
+            result, path = _run_bench_fit(
+                "--workloads=mlp",
+                "--optimizers=sgd",
+                "--contenders=accum_again",
+                f"--baseline={old}",
+                f"--jit_compile={jit_compile}",
+            )
+            self.assertEqual(result.returncode, 0, result.stderr[-3000:])
+            with open(path) as f:
+                report = json.load(f)
+            self.assertEqual(
+                report["baselines"], {"accum_baseline": os.path.abspath(old)}
+            )
+            (r,) = report["results"]
+            self.assertEqual(r["xla"], jit_compile == "true")
+            self.assertCountEqual(
+                r["samples_per_second"],
+                ["accum", "accum_again", "accum_baseline"],
+            )
+            entry = r["baseline"]["accum_baseline"]
+            self.assertTrue(
+                entry["engine_module"].startswith("accum_model_accum_baseline.")
+            )
+            rates = r["samples_per_second"]
+            self.assertAllClose(
+                entry["ratio_of_accum"]["per_repeat"],
+                [
+                    a / b
+                    for a, b in zip(rates["accum"], rates["accum_baseline"])
+                ],
+            )
+            self.assertGreaterEqual(entry["traces"], 1)
+            self.assertIn("| mlp | sgd | accum_baseline |", result.stdout)
 
 
 class BenchMemoryTest(tf.test.TestCase):
