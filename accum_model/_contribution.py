@@ -4,9 +4,11 @@ Per micro-batch, in replica context: the gradients times `weight` (unless
 the loss carried it already, `weight_in_loss`) and divided by the loss
 scale, in float32; under loss scaling the finite check on every replica
 and the dynamic scale's move; then the additions to the accumulators, the
-window's counters and the noise-scale sums. A micro-batch of weight 0
-adds nothing (its gradients, even NaN, are not read) but takes its place
-in the window.
+window's counters and the noise-scale sums. A micro-batch of weight 0 adds
+zeros (its gradients times 0, or those of a loss times 0): nothing, unless
+its gradients are not finite (a per-token mean over no token, 0 / 0, where
+Keras' own losses divide with `divide_no_nan`), which the window's finite
+check then discards with the window.
 """
 
 import tensorflow as tf
@@ -75,19 +77,16 @@ def add_microbatch(
             inverse_scale = 1.0 / tf.cast(loss_scale, tf.float32)
             factor = inverse_scale if factor is None else factor * inverse_scale
         contributions = _times(grads, factor)
-        positive = weight > 0.0
         if scaled:
-            finite = _mixed_precision.all_replicas_finite(
-                contributions, counts=positive
-            )
+            finite = _mixed_precision.all_replicas_finite(contributions)
             _mixed_precision.update_loss_scale(dynamic_loss_scale, finite)
             if is_finite is not None:
                 finite = tf.logical_and(finite, is_finite)
             is_finite = finite
-        _add(engine, contributions, weight, positive, is_finite, xla, data)
+        _add(engine, contributions, weight, is_finite, xla, data)
 
 
-def _add(engine, contributions, weight, positive, is_finite, xla, data):
+def _add(engine, contributions, weight, is_finite, xla, data):
     """Adds one micro-batch's float32 `w_k g_k` to the window.
 
     `data`: the micro-batch's tensors that exist only once its data has
@@ -118,11 +117,6 @@ def _add(engine, contributions, weight, positive, is_finite, xla, data):
             acc.assign_add(c)
         return tf.constant(True)
 
-    def zero():
-        for acc, _ in dense:
-            acc.assign(tf.zeros_like(acc))
-        return tf.constant(True)
-
     def nothing():
         return tf.constant(False)
 
@@ -137,19 +131,16 @@ def _add(engine, contributions, weight, positive, is_finite, xla, data):
         return tf.constant(True)
 
     def add():
-        # A micro-batch of weight 0 reads none of its gradients (a 0/0 loss
-        # makes them NaN); as a window's first it zeroes what the last left.
-        tf.cond(
-            first,
-            lambda: tf.cond(positive, overwrite, zero),
-            lambda: tf.cond(positive, add_to, nothing),
-        )
+        # The one conditional around the additions: one nested in a branch
+        # (or around this one) stays one op that waits for every gradient,
+        # which would hold a micro-batch's gradients all at once.
+        tf.cond(first, overwrite, add_to)
         with tf.control_dependencies(data):
             tf.cond(first, start, nothing)
             engine._weight_sum.assign_add(weight)
             engine._contributed.assign_add(1)
-        if sparse:
-            tf.cond(positive, lambda: _scatter_add(sparse), nothing)
+        for acc, c in sparse:
+            acc.scatter_add(c)
         if engine._noise_scale is not None:
             # Float32, unscaled, before any clipping; only what joins the
             # window (a skipped micro-batch never gets here).
@@ -172,12 +163,6 @@ def _add(engine, contributions, weight, positive, is_finite, xla, data):
         tf.cond(is_finite, add, skip)
     with tf.control_dependencies(data):
         engine._micro_step.assign_add(1)
-
-
-def _scatter_add(sparse):
-    for acc, c in sparse:
-        acc.scatter_add(c)
-    return tf.constant(True)
 
 
 def _data_of(grads, weight):

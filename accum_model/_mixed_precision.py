@@ -28,7 +28,7 @@ import tensorflow as tf
 from accum_model import _control_flow
 
 
-def all_replicas_finite(grads, counts=True):
+def all_replicas_finite(grads):
     """Bool scalar: whether every gradient on every replica is finite.
 
     Each replica counts its non-finite gradient tensors and, under a
@@ -40,8 +40,6 @@ def all_replicas_finite(grads, counts=True):
 
     Args:
         grads: List of gradients (tensors, `tf.IndexedSlices` or `None`).
-        counts: Bool scalar: whether this replica's gradients count (a
-            micro-batch of weight 0 adds nothing, so its NaN does not).
 
     Returns:
         A bool scalar tensor.
@@ -51,10 +49,7 @@ def all_replicas_finite(grads, counts=True):
         for g in grads
         if g is not None
     ]
-    bad = non_finite_count(values)
-    if counts is not True:
-        bad = tf.where(counts, bad, 0.0)
-    return none_on_any_replica(bad)
+    return none_on_any_replica(non_finite_count(values))
 
 
 def non_finite_count(tensors):

@@ -377,7 +377,10 @@ class HookTest(tf.test.TestCase, parameterized.TestCase):
             per_token = keras.losses.sparse_categorical_crossentropy(
                 tf.maximum(y, 0), y_pred, from_logits=True
             )
-            return tf.reduce_sum(per_token * valid) / tf.reduce_sum(valid)
+            # 0 over no token, as Keras' own losses divide.
+            return tf.math.divide_no_nan(
+                tf.reduce_sum(per_token * valid), tf.reduce_sum(valid)
+            )
 
         class TokenModel(AccumModel):
             def compute_loss(
@@ -398,8 +401,8 @@ class HookTest(tf.test.TestCase, parameterized.TestCase):
         x, y = padded_sequences(16, micro=4)
         y = np.where(x == 0, pad, y).astype("int32")
         if all_padding:
-            # Its loss is 0 / 0 = NaN, its weight 0: it adds nothing, and
-            # the large batch it belongs to (with other tokens) is finite.
+            # A micro-batch of no token weighs 0 and adds nothing; the large
+            # batch it belongs to has the other micro-batch's tokens.
             y[4:8] = pad
 
         def build(cls, **kw):
