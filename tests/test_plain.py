@@ -45,19 +45,27 @@ class SavePlainTest(tf.test.TestCase, parameterized.TestCase):
         self.assertEqual(int(model.gradient_accumulator.micro_step), 1)
         return model
 
-    def test_keras_alone_loads_it(self):
+    def _assert_keras_alone_loads(self, kinds, save):
+        """Files `save(model, kind)` wrote load in Keras alone, as the plain
+        class of their kind, predicting what the model predicted."""
         x, _ = tu.regression_data(3, seed=5)
-        paths, expected = [], {}
-        for kind in sorted(_MODELS):
+        expected = {}
+        for kind in kinds:
             model = self._trained_mid_window(kind)
-            path = os.path.join(self.get_temp_dir(), f"{kind}.keras")
-            accum_model.save_plain(model, path)
-            paths.append(path)
+            path = save(model, kind)
             expected[path] = (_PLAIN_CLASS[kind], model.predict(x, verbose=0))
-        loaded = tu.load_without_accum_model(paths, x)
+        loaded = tu.load_without_accum_model(list(expected), x)
         for path, (class_name, predictions) in expected.items():
             self.assertEqual(loaded[path][0], class_name, path)
             self.assertAllClose(loaded[path][1], predictions, atol=1e-6)
+
+    def test_keras_alone_loads_it(self):
+        def save_plain(model, kind):
+            path = os.path.join(self.get_temp_dir(), f"{kind}.keras")
+            accum_model.save_plain(model, path)
+            return path
+
+        self._assert_keras_alone_loads(sorted(_MODELS), save_plain)
 
     @parameterized.named_parameters((k, k) for k in sorted(_MODELS))
     def test_model_keeps_accumulating_and_its_window(self, kind):
@@ -100,21 +108,15 @@ class SavePlainTest(tf.test.TestCase, parameterized.TestCase):
         # class in the file, which Keras alone finds by its module, and
         # drops the accumulation settings and the window. An `AccumModel`
         # file names `accum_model`'s class, so Keras alone refuses it.
-        x, _ = tu.regression_data(3, seed=5)
-        paths, expected = [], {}
-        for kind in ("functional", "sequential"):
-            model = self._trained_mid_window(kind)
-            path = self._saved(model, kind)
-            paths.append(path)
-            expected[path] = (_PLAIN_CLASS[kind], model.predict(x, verbose=0))
-        loaded = tu.load_without_accum_model(paths, x)
-        for path, (class_name, predictions) in expected.items():
-            self.assertEqual(loaded[path][0], class_name, path)
-            self.assertAllClose(loaded[path][1], predictions, atol=1e-6)
+        self._assert_keras_alone_loads(
+            ("functional", "sequential"), self._saved
+        )
         path = self._saved(self._trained_mid_window("accum_model"), "accum")
         # The end of Keras' message: the config of the class it cannot find.
         with self.assertRaisesRegex(AssertionError, "accum_model>AccumModel"):
-            tu.load_without_accum_model([path], x)
+            tu.load_without_accum_model(
+                [path], tu.regression_data(3, seed=5)[0]
+            )
 
     def test_refuses_what_has_no_plain_class(self):
         with self.assertRaisesRegex(TypeError, "of type Sequential"):
