@@ -74,8 +74,8 @@ def add_microbatch(
         weight = tf.cast(weight, tf.float32)
         factor = None if weight_in_loss else weight
         if loss_scale is not None:
-            inverse_scale = 1.0 / tf.cast(loss_scale, tf.float32)
-            factor = inverse_scale if factor is None else factor * inverse_scale
+            scale = tf.cast(loss_scale, tf.float32)
+            factor = 1.0 / scale if factor is None else factor / scale
         contributions = _times(grads, factor)
         if scaled:
             finite = _mixed_precision.all_replicas_finite(contributions)

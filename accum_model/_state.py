@@ -136,10 +136,9 @@ def variable_path(variable):
     return path if isinstance(path, str) else variable.name.split(":")[0]
 
 
-def item_name(group, index, path, entry_name=None):
-    """The name of a model item's entry: `group/0003/path[/entry_name]`."""
-    name = f"{group}/{index:04d}/{path}"
-    return name if entry_name is None else f"{name}/{entry_name}"
+def item_name(group, index, path):
+    """The name of a model item: `group/0003/path`."""
+    return f"{group}/{index:04d}/{path}"
 
 
 class WindowState(tf.Module):
@@ -254,37 +253,15 @@ class WindowState(tf.Module):
 
     def saved_variables(self):
         """The variables a checkpoint holds: all but the settings."""
-        return [
-            v for n, v in self._variables.items() if self._roles[n] != SETTING
-        ]
-
-    def nbytes(self):
-        """Bytes of the saved state, per replica."""
-        return sum(
-            v.shape.num_elements() * v.dtype.size
-            for v in self.saved_variables()
-        )
+        return [v for _, v in self._saved()]
 
     # Files
 
     def save(self, store):
         """Writes every saved variable into the dict-like `store`, by name."""
-        for key, value in self._saved_arrays().items():
-            store[key] = value
-
-    def _saved_arrays(self):
-        arrays = {}
-        for name, variable in self._variables.items():
-            if self._roles[name] == SETTING:
-                continue
-            value = variable.numpy()
-            items = self._vector_items.get(name)
-            if items is None:
-                arrays[file_key(name)] = value
-            else:
-                for item, element in zip(items, value):
-                    arrays[file_key(item)] = element
-        return arrays
+        for name, variable in self._saved():
+            for key, value in self._split(name, variable.numpy()).items():
+                store[key] = value
 
     def load(self, store):
         """Assigns every saved variable from `store`, matched by name.
@@ -299,20 +276,39 @@ class WindowState(tf.Module):
         if keys and all(k.isdigit() for k in keys):
             store = _from_position_layout(self, store, keys)
             keys = list(store.keys())
-        expected = self._saved_arrays()
-        found = _match(expected, store, keys)
-        for name, variable in self._variables.items():
-            if self._roles[name] == SETTING:
-                continue
-            items = self._vector_items.get(name)
-            if items is None:
-                variable.assign(found[file_key(name)])
+        shapes = {}
+        for name, variable in self._saved():
+            if name in self._vector_items:
+                shapes.update({k: () for k in self._keys(name)})
             else:
-                variable.assign(
-                    np.array([found[file_key(i)] for i in items]).astype(
-                        variable.dtype.as_numpy_dtype
-                    )
-                )
+                shapes[file_key(name)] = tuple(variable.shape)
+        found = _match(shapes, store, keys)
+        for name, variable in self._saved():
+            if name in self._vector_items:
+                value = [found[k] for k in self._keys(name)]
+            else:
+                value = found[file_key(name)]
+            variable.assign(
+                np.asarray(value, dtype=variable.dtype.as_numpy_dtype)
+            )
+
+    def _saved(self):
+        return [
+            (n, v)
+            for n, v in self._variables.items()
+            if self._roles[n] != SETTING
+        ]
+
+    def _keys(self, name):
+        """The file keys of `name`: its own, or one per vector element."""
+        items = self._vector_items.get(name)
+        return [file_key(n) for n in ([name] if items is None else items)]
+
+    def _split(self, name, value):
+        """`{file key: array}` of variable `name` holding `value`."""
+        if name in self._vector_items:
+            return dict(zip(self._keys(name), value))
+        return {file_key(name): value}
 
 
 def file_key(name):
@@ -326,6 +322,8 @@ _ITEM = re.compile(r"^([a-z_]+)\.(\d{4})\.(.*)$")
 def _match(expected, store, keys):
     """`{expected key: saved array}`, or a `ValueError` naming a mismatch.
 
+    `expected`: `{key: shape}` of the entries this state saves.
+
     Items of the model (`group.0003.path`) match the saved item of the same
     group and index whose path ends the same way (`kernel`, `mean`).
     """
@@ -336,7 +334,7 @@ def _match(expected, store, keys):
         if m:
             by_index[(m.group(1), m.group(2))] = key
     used = set()
-    for key, value in expected.items():
+    for key, shape in expected.items():
         saved = key if key in keys else None
         m = _ITEM.match(key)
         if saved is None and m:
@@ -354,11 +352,10 @@ def _match(expected, store, keys):
                 f"{sorted(keys)}"
             )
         array = np.asarray(store[saved])
-        if array.shape != np.shape(value):
+        if array.shape != shape:
             raise ValueError(
                 f"The saved accumulation state entry {saved!r} has shape "
-                f"{array.shape}, but this model's {key!r} has shape "
-                f"{np.shape(value)}."
+                f"{array.shape}, but this model's {key!r} has shape {shape}."
             )
         found[key] = array
         used.add(saved)
@@ -402,37 +399,31 @@ def _from_position_layout(state, store, keys):
         )
     converted = {}
     for i, name in enumerate(names):
-        value = np.asarray(store[str(i)])
-        items = state._vector_items.get(name)
-        if items is None:
-            converted[file_key(name)] = value
-        else:
-            for item, element in zip(items, value):
-                converted[file_key(item)] = element
+        converted.update(state._split(name, np.asarray(store[str(i)])))
     return converted
 
 
 def _position_layout_order(state):
     """The state's names in the order of the position layout."""
     names = state.names()
-    engine = ["engine/micro_step", "engine/contributed_steps"]
-    engine += ["engine/weight_sum"]
-    noise = [n for n in names if n.startswith("noise_scale/")]
-    noise_window = [n for n in noise if n in state.names(WINDOW)]
-    batchnorm = [n for n in names if n.startswith("batchnorm/")]
-    accumulators = [n for n in names if n.startswith("accumulator/")]
-    adascale = [n for n in names if n.startswith("adascale/")]
+    window = set(state.names(WINDOW))
+
+    def group(prefix):
+        return [n for n in names if n.startswith(prefix)]
+
+    noise = group("noise_scale/")
+    noise_window = [n for n in noise if n in window]
     return (
-        engine
+        ["engine/micro_step", "engine/contributed_steps", "engine/weight_sum"]
         + noise_window
-        + batchnorm
+        + group("batchnorm/")
         + ["engine/window_steps"]
-        + accumulators
+        + group("accumulator/")
         + [
             "engine/skipped_microbatches",
             "engine/discarded_windows",
             "received",
         ]
-        + [n for n in noise if n not in noise_window]
-        + adascale
+        + [n for n in noise if n not in window]
+        + group("adascale/")
     )
