@@ -791,61 +791,76 @@ def format_table(results):
     return "\n".join(lines)
 
 
+def _markdown(header, rows):
+    """A Markdown table: `header`, a list of cells; `rows`, lists of cells."""
+    lines = ["| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def _aa(r):
+    return _fmt_ratio(r["ratios"].get("accum/accum_again"))
+
+
 def format_noise_table(results):
     """The noise-scale contenders' rates over accum's, as Markdown."""
-    lines = [
-        "| workload | optimizer | contender | samples/s accum | "
-        "gns / accum | A/A: accum / accum_again |",
-        "|---" * 6 + "|",
-    ]
-    for r in results:
-        for name, v in r["noise_scale"].items():
-            lines.append(
-                f"| {r['workload']} | {r['optimizer']} | {name} | "
-                f"{r['median_samples_per_second']['accum']:.0f} | "
-                f"{_fmt_ratio(v['ratio_to_accum'])} | "
-                f"{_fmt_ratio(r['ratios'].get('accum/accum_again'))} |"
-            )
-    return "\n".join(lines)
+    return _markdown(
+        ["workload", "optimizer", "contender", "samples/s accum"]
+        + ["gns / accum", "A/A: accum / accum_again"],
+        [
+            [
+                r["workload"],
+                r["optimizer"],
+                name,
+                f"{r['median_samples_per_second']['accum']:.0f}",
+                _fmt_ratio(v["ratio_to_accum"]),
+                _aa(r),
+            ]
+            for r in results
+            for name, v in r["noise_scale"].items()
+        ],
+    )
 
 
 def format_adascale_table(results):
     """The AdaScale contender's rates over accum's and accum_gns_k1's."""
-    lines = [
-        "| workload | optimizer | adascale / accum | adascale / gns_k1 | "
-        "A/A: accum / accum_again |",
-        "|---" * 5 + "|",
-    ]
-    for r in results:
-        if "adascale" not in r:
-            continue
-        v = r["adascale"]
-        lines.append(
-            f"| {r['workload']} | {r['optimizer']} | "
-            f"{_fmt_ratio(v['ratio_to_accum'])} | "
-            f"{_fmt_ratio(v['ratio_to_gns_k1'])} | "
-            f"{_fmt_ratio(r['ratios'].get('accum/accum_again'))} |"
-        )
-    return "\n".join(lines)
+    return _markdown(
+        ["workload", "optimizer", "adascale / accum", "adascale / gns_k1"]
+        + ["A/A: accum / accum_again"],
+        [
+            [
+                r["workload"],
+                r["optimizer"],
+                _fmt_ratio(r["adascale"]["ratio_to_accum"]),
+                _fmt_ratio(r["adascale"]["ratio_to_gns_k1"]),
+                _aa(r),
+            ]
+            for r in results
+            if "adascale" in r
+        ],
+    )
 
 
 def format_baseline_table(results):
     """The current package's rates over each baseline copy's, as Markdown."""
-    lines = [
-        "| workload | optimizer | contender | accum / baseline | "
-        "baseline / built-in | accum / built-in | A/A: accum / accum_again |",
-        "|---" * 7 + "|",
-    ]
-    for r in results:
-        for name, v in r["baseline"].items():
-            lines.append(
-                f"| {r['workload']} | {r['optimizer']} | {name} | "
-                f"{_fmt_ratio(v['ratio_of_accum'])} | "
-                f"{_fmt_ratio(v['ratio_to_builtin'])} | "
-                f"{_fmt_ratio(r['ratios'].get('accum/builtin'))} | "
-                f"{_fmt_ratio(r['ratios'].get('accum/accum_again'))} |"
-            )
-    return "\n".join(lines)
+    return _markdown(
+        ["workload", "optimizer", "contender", "accum / baseline"]
+        + ["baseline / built-in", "accum / built-in"]
+        + ["A/A: accum / accum_again"],
+        [
+            [
+                r["workload"],
+                r["optimizer"],
+                name,
+                _fmt_ratio(v["ratio_of_accum"]),
+                _fmt_ratio(v["ratio_to_builtin"]),
+                _fmt_ratio(r["ratios"].get("accum/builtin")),
+                _aa(r),
+            ]
+            for r in results
+            for name, v in r["baseline"].items()
+        ],
+    )
 
 
 def main(argv):
