@@ -87,10 +87,7 @@ class AccumSettings:
 
     @noise_scale.setter
     def noise_scale(self, value):
-        value = _noise_scale.as_config(value)
-        _adascale.measurement_for(self._adascale, value)
-        self._check_before_training("noise_scale", value, self._noise_scale)
-        self._noise_scale = value
+        self._set_measurement(_noise_scale.as_config(value), self._adascale)
 
     @property
     def adascale(self):
@@ -103,10 +100,7 @@ class AccumSettings:
 
     @adascale.setter
     def adascale(self, value):
-        value = _adascale.as_config(value)
-        _adascale.measurement_for(value, self._noise_scale)
-        self._check_before_training("adascale", value, self._adascale)
-        self._adascale = value
+        self._set_measurement(self._noise_scale, _adascale.as_config(value))
 
     def _check_before_training(self, name, value, current):
         if value != current and self.gradient_accumulator is not None:
