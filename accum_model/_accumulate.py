@@ -18,6 +18,7 @@ from accum_model._model import AccumModel
 from accum_model._validation import check_accum_steps
 from accum_model._validation import check_epoch_end
 from accum_model._validation import check_keywords
+from accum_model._validation import check_micro_batch_size
 
 ADAPTER = _keras.ADAPTER
 keras = _keras.keras
@@ -33,6 +34,7 @@ def accumulate(
     epoch_end=_UNSET,
     noise_scale=_UNSET,
     adascale=_UNSET,
+    micro_batch_size=_UNSET,
     **kwargs,
 ):
     """Makes an existing Keras model accumulate gradients, in place.
@@ -85,7 +87,12 @@ def accumulate(
             already accumulates) or an `accum_model.AdaScale(base_batch)`:
             AdaScale SGD, as `AccumModel` applies it (docs/adascale.md).
             It can change only before the model's first training step.
-
+        micro_batch_size: None (the default: no split, or unchanged on a
+            model that already accumulates), an int >= 1 or `"auto"`: split
+            each batch inside the training step into slices of at most this
+            many rows, as `AccumModel` does (docs/micro_batch.md). Given
+            alone, `accum_steps` defaults to 1 (unchanged on a model that
+            already accumulates).
         **kwargs: None are taken: an unknown keyword is refused with the
             closest of the above.
 
@@ -94,9 +101,11 @@ def accumulate(
 
     Raises:
         TypeError: If `model` is not a `keras.Model` instance, if
-            `accum_steps` is missing, for an unknown keyword, or if
+            `accum_steps` and `micro_batch_size` are both missing, for an
+            unknown keyword, or if
             `noise_scale` is not one of the above.
-        ValueError: If `accum_steps` or `epoch_end` is invalid, if
+        ValueError: If `accum_steps`, `epoch_end` or `micro_batch_size` is
+            invalid, if
             `noise_scale` or `adascale` changes on a model that has trained,
             if `adascale` is on with `noise_scale` measuring less often
             than every window, or if Keras does not run on TensorFlow. At
@@ -105,15 +114,21 @@ def accumulate(
     """
     # Keyword-only misspellings (`acum_steps=8`) get the closest name.
     check_keywords("accumulate", kwargs, _model_classes.ARGUMENTS)
-    if accum_steps is _UNSET:
-        raise TypeError("`accumulate` missing required argument `accum_steps`.")
+    if accum_steps is _UNSET and micro_batch_size is _UNSET:
+        raise TypeError(
+            "`accumulate` missing required argument `accum_steps` (or "
+            "`micro_batch_size`)."
+        )
     if not isinstance(model, keras.Model):
         raise TypeError(
             "`model` must be a `keras.Model` instance. Received: "
             f"model={model!r} of type {type(model).__name__}"
         )
     ADAPTER.check_backend()
-    accum_steps = check_accum_steps(accum_steps)
+    if accum_steps is not _UNSET:
+        accum_steps = check_accum_steps(accum_steps)
+    if micro_batch_size is not _UNSET:
+        micro_batch_size = check_micro_batch_size(micro_batch_size)
     if epoch_end is not _UNSET:
         epoch_end = check_epoch_end(epoch_end)
     if isinstance(model, AccumModel):
@@ -129,10 +144,17 @@ def accumulate(
         )
         # Checked first: nothing changes when either is refused.
         model._set_measurement(new_noise, new_adascale)
-        model.accum_steps = accum_steps
+        if accum_steps is not _UNSET:
+            model.accum_steps = accum_steps
+        if micro_batch_size is not _UNSET:
+            model.micro_batch_size = micro_batch_size
         if epoch_end is not _UNSET:
             model.epoch_end = epoch_end
         return model
+    if accum_steps is _UNSET:
+        accum_steps = 1
+    if micro_batch_size is _UNSET:
+        micro_batch_size = None
     if epoch_end is _UNSET:
         epoch_end = "apply"
     noise_scale = _noise_scale.as_config(
@@ -144,7 +166,9 @@ def accumulate(
     # optimizer, compile state, and every reference to it) must accumulate,
     # so it gets a subclass of its own class; a new object would not do.
     model.__class__ = _accumulating_class(type(model))
-    model._init_accumulation(accum_steps, epoch_end, noise_scale, adascale)
+    model._init_accumulation(
+        accum_steps, epoch_end, noise_scale, adascale, micro_batch_size
+    )
     # Traced with the class's own `train_step`; `fit` makes a new one.
     model.train_function = None
     return model
@@ -270,6 +294,7 @@ def _accumulating_clone(model, clone):
         clone.epoch_end = model.epoch_end
         clone.noise_scale = model.noise_scale
         clone.adascale = model.adascale
+        clone.micro_batch_size = model._micro_batch_setting
         return clone
     if not isinstance(clone, base):
         warnings.warn(
@@ -288,6 +313,7 @@ def _accumulating_clone(model, clone):
         model.epoch_end,
         model.noise_scale,
         model.adascale,
+        model._micro_batch_setting,
     )
 
 

@@ -249,6 +249,7 @@ class GradientAccumulator(tf.Module):
         loss_scale=None,
         jit_compile=None,
         weight_in_loss=False,
+        noise_statistics=None,
     ):
         """Accumulates `grads` and applies the window when it is full.
 
@@ -264,7 +265,7 @@ class GradientAccumulator(tf.Module):
             optimizer: The optimizer to apply the mean with (Keras 3 or
                 tf_keras), called once per window.
             grads, weight, is_finite, loss_scale, jit_compile,
-            weight_in_loss: As in `accumulate()`.
+            weight_in_loss, noise_statistics: As in `accumulate()`.
 
         Returns:
             A bool scalar tensor: whether this call closed a window.
@@ -283,6 +284,7 @@ class GradientAccumulator(tf.Module):
             loss_scale=loss_scale,
             jit_compile=xla,
             weight_in_loss=weight_in_loss,
+            noise_statistics=noise_statistics,
         )
         full = self._micro_step >= self._window_steps
         return self._close_if(full, optimizer, xla)
@@ -297,6 +299,7 @@ class GradientAccumulator(tf.Module):
         loss_scale=None,
         jit_compile=None,
         weight_in_loss=False,
+        noise_statistics=None,
     ):
         """Adds one micro-batch's gradients, weighted, to the window.
 
@@ -328,6 +331,11 @@ class GradientAccumulator(tf.Module):
                 scalar multiply instead of one per gradient element, as
                 `AccumModel` does without loss scaling): the gradients then
                 go in as they are, divided by `loss_scale` only.
+            noise_statistics: Optional pair of float32 scalars for `grads`
+                that sum several micro-batches already (a batch split by
+                `micro_batch_size`): `(sum_k w_k |g_k|^2, micro-batches)`,
+                what the noise scale would have counted for them one by
+                one. By default `grads` are one micro-batch.
 
         Raises:
             ValueError: If `grads` does not hold one gradient per variable,
@@ -354,6 +362,7 @@ class GradientAccumulator(tf.Module):
             loss_scale=loss_scale,
             weight_in_loss=weight_in_loss,
             xla=_resolve_xla(jit_compile),
+            noise_statistics=noise_statistics,
         )
 
     def apply(self, optimizer, jit_compile=None):

@@ -31,6 +31,7 @@ def add_microbatch(
     loss_scale,
     weight_in_loss,
     xla,
+    noise_statistics=None,
 ):
     """Adds one micro-batch to `engine`'s window (see the module).
 
@@ -46,6 +47,9 @@ def add_microbatch(
             the `LossScaleOptimizer`'s scale).
         weight_in_loss: Whether the loss was multiplied by `weight`.
         xla: Bool, whether the graph is compiled by XLA.
+        noise_statistics: Optional `(sum_k w_k |g_k|^2, micro-batches)` of
+            `grads` that sum several micro-batches (see
+            `GradientAccumulator.accumulate`).
     """
     scaled = optimizer is not None and ADAPTER.is_loss_scale_optimizer(
         optimizer
@@ -76,17 +80,25 @@ def add_microbatch(
         if loss_scale is not None:
             scale = tf.cast(loss_scale, tf.float32)
             factor = 1.0 / scale if factor is None else factor / scale
-        contributions = _times(grads, factor)
+        contributions = in_float32(grads, factor)
         if scaled:
             finite = _mixed_precision.all_replicas_finite(contributions)
             _mixed_precision.update_loss_scale(dynamic_loss_scale, finite)
             if is_finite is not None:
                 finite = tf.logical_and(finite, is_finite)
             is_finite = finite
-        _add(engine, contributions, weight, is_finite, xla, data)
+        _add(
+            engine,
+            contributions,
+            weight,
+            is_finite,
+            xla,
+            data,
+            noise_statistics,
+        )
 
 
-def _add(engine, contributions, weight, is_finite, xla, data):
+def _add(engine, contributions, weight, is_finite, xla, data, noise_statistics):
     """Adds one micro-batch's float32 `w_k g_k` to the window.
 
     `data`: the micro-batch's tensors that exist only once its data has
@@ -148,6 +160,7 @@ def _add(engine, contributions, weight, is_finite, xla, data):
                 contributions,
                 weight,
                 lambda pred, fn: _control_flow.run_if(pred, fn, xla),
+                noise_statistics,
             )
         return tf.constant(True)
 
@@ -176,7 +189,7 @@ def _data_of(grads, weight):
     return [t for t in tensors if isinstance(t, tf.Tensor)]
 
 
-def _times(grads, factor):
+def in_float32(grads, factor):
     """`grads` in float32, each multiplied by `factor` (None: by nothing)."""
     out = []
     for g in grads:

@@ -78,6 +78,9 @@ class _Keras3Adapter:
 
         self.cloning_module = cloning
         self._variants = {}
+        from keras.src.backend.tensorflow import trainer
+
+        self._reduce_per_replica = trainer.reduce_per_replica
 
     def check_backend(self):
         backend = keras.backend.backend()
@@ -254,6 +257,40 @@ class _Keras3Adapter:
 
     def compute_metrics(self, model, x, y, y_pred, sample_weight):
         return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
+    def metric_variables(self, model):
+        return list(model.metrics_variables)
+
+    def step_on_data(self, model):
+        """A train function of one batch given as data, as `fit`'s would be.
+
+        What Keras' own train function runs per step (`strategy.run` of
+        `train_step`, the logs reduced over replicas, compiled as `fit`
+        compiles), except that the batch comes as an argument instead of
+        from the iterator inside: so the same batch can run again.
+        """
+        strategy = model.distribute_strategy
+
+        # Not converted by AutoGraph, as Keras' own step is not.
+        @tf.autograph.experimental.do_not_convert
+        def one_step(data):
+            outputs = strategy.run(self._counted_step(model), args=(data,))
+            return self._reduce_per_replica(
+                outputs, strategy, self._log_reduction(model)
+            )
+
+        if model.run_eagerly:
+            return one_step
+        return tf.function(
+            one_step, reduce_retracing=True, jit_compile=model.jit_compile
+        )
+
+    def _counted_step(self, model):
+        return model.train_step
+
+    def _log_reduction(self, model):
+        del model  # Keras 3's `fit` reduces with "auto".
+        return "auto"
 
     # Optimizers
 
@@ -505,6 +542,7 @@ class _TfKerasAdapter(_Keras3Adapter):
 
         self.cloning_module = cloning
         self._variants = {}
+        self._reduce_per_replica = training.reduce_per_replica
 
     def check_backend(self):
         pass  # tf_keras runs on TensorFlow only.
@@ -553,6 +591,22 @@ class _TfKerasAdapter(_Keras3Adapter):
 
     def track_loss(self, model, loss, batch_size):
         del model, loss, batch_size  # tf_keras' compiled loss tracks itself.
+
+    def metric_variables(self, model):
+        return [v for metric in model.metrics for v in metric.variables]
+
+    def _counted_step(self, model):
+        # As tf_keras' own `step_function`: its `fit` counts steps here.
+        def run_step(data):
+            outputs = model.train_step(data)
+            with tf.control_dependencies(tf.nest.flatten(outputs)):
+                model._train_counter.assign_add(1)
+            return outputs
+
+        return run_step
+
+    def _log_reduction(self, model):
+        return model.distribute_reduction_method
 
     def symbolic_build_arguments(self, model, iterator, data_batch):
         del model  # tf_keras builds in the traced step; nothing to change.

@@ -13,17 +13,20 @@ import weakref
 import tensorflow as tf
 
 from accum_model import _adascale
+from accum_model import _auto
 from accum_model import _epoch_end
 from accum_model import _keras
 from accum_model import _model_classes
 from accum_model import _noise_scale
 from accum_model import _normalizers
+from accum_model import _split
 from accum_model._model_engine import ModelEngine
 from accum_model._multi_worker import MultiWorkerFitWorkarounds
 from accum_model._settings import AccumSettings
 from accum_model._validation import check_accum_steps
 from accum_model._validation import check_epoch_end
 from accum_model._validation import check_keywords
+from accum_model._validation import check_micro_batch_size
 from accum_model._validation import check_optimizer_not_accumulating
 
 ADAPTER = _keras.ADAPTER
@@ -105,6 +108,7 @@ class AccumModel(
         epoch_end=UNSET,
         noise_scale=UNSET,
         adascale=UNSET,
+        micro_batch_size=UNSET,
         **kwargs,
     ):
         # Keras' Functional drops keywords it does not know: a misspelled
@@ -115,9 +119,14 @@ class AccumModel(
             _model_classes.ARGUMENTS,
             passed_to=type(self).__mro__,
         )
-        accum_steps, epoch_end, noise_scale, adascale = (
+        accum_steps, epoch_end, noise_scale, adascale, micro_batch_size = (
             _model_classes.resolve_arguments(
-                self, accum_steps, epoch_end, noise_scale, adascale
+                self,
+                accum_steps,
+                epoch_end,
+                noise_scale,
+                adascale,
+                micro_batch_size,
             )
         )
         ADAPTER.check_backend()
@@ -126,6 +135,7 @@ class AccumModel(
         noise_scale = _noise_scale.as_config(noise_scale)
         adascale = _adascale.as_config(adascale)
         _adascale.measurement_for(adascale, noise_scale)
+        micro_batch_size = check_micro_batch_size(micro_batch_size)
         if ADAPTER.is_functional_call(args, kwargs):
             _model_classes.init_functional(self, args, kwargs)
         else:
@@ -135,9 +145,13 @@ class AccumModel(
             # `from_config`) makes a plain `cls` again.
             self.__class__ = ADAPTER.non_functional_base(type(self))
             super().__init__(*args, **kwargs)
-        self._init_accumulation(accum_steps, epoch_end, noise_scale, adascale)
+        self._init_accumulation(
+            accum_steps, epoch_end, noise_scale, adascale, micro_batch_size
+        )
 
-    def _init_accumulation(self, accum_steps, epoch_end, noise_scale, adascale):
+    def _init_accumulation(
+        self, accum_steps, epoch_end, noise_scale, adascale, micro_batch_size
+    ):
         """What `__init__` gives a model; `accumulate` gives it to one too.
 
         Args:
@@ -145,8 +159,11 @@ class AccumModel(
             epoch_end: Str, checked.
             noise_scale: A `NoiseScale`, or None.
             adascale: An `AdaScale`, or None; checked against `noise_scale`.
+            micro_batch_size: None, `"auto"` or an int >= 1, checked.
         """
-        self._init_settings(accum_steps, epoch_end, noise_scale, adascale)
+        self._init_settings(
+            accum_steps, epoch_end, noise_scale, adascale, micro_batch_size
+        )
         self._accum_state = ModelEngine(self)
         self._flush_function = None
         self._flush_accumulator = lambda: None
@@ -176,7 +193,13 @@ class AccumModel(
         )
         # `noise_scale` and `adascale` first: they can only be set before
         # training.
-        for name in ("noise_scale", "adascale", "accum_steps", "epoch_end"):
+        for name in (
+            "noise_scale",
+            "adascale",
+            "accum_steps",
+            "epoch_end",
+            "micro_batch_size",
+        ):
             if name in arguments:
                 setattr(model, name, arguments[name])
         return model
@@ -248,6 +271,8 @@ class AccumModel(
     def train_step(self, data):
         # Seen when `fit` traces the step: it goes through the window.
         self._accum_state.traced_through_window()
+        if self._slice_rows() is not None:
+            return self._split_train_step(data)
         x, y, sample_weight = ADAPTER.unpack(data)
         scaling = ADAPTER.is_loss_scale_optimizer(self.optimizer)
 
@@ -299,6 +324,43 @@ class AccumModel(
         # `MultiWorkerFitWorkarounds`).
         return ADAPTER.logs_for_replica_reduction(self, logs)
 
+    def _slice_rows(self):
+        """The rows of a slice the traced step splits batches into, or None."""
+        size = self.micro_batch_size
+        return None if size == "auto" else size
+
+    def _split_train_step(self, data):
+        """`train_step` for a batch split into slices (`_split`)."""
+        # Built eagerly before the trace (`make_train_function`): the
+        # slices' forward passes run inside a loop, where no layer may
+        # create its weights.
+        accumulator = self._accum_state.build()
+        scaling = ADAPTER.is_loss_scale_optimizer(self.optimizer)
+        x, y, _ = ADAPTER.unpack(data)
+        batch = _split.run_slices(
+            self,
+            data,
+            self._slice_rows(),
+            accumulator.updated_variables,
+            scale=ADAPTER.loss_scale(self.optimizer) if scaling else None,
+            measure=accumulator.noise_scale is not None,
+            xla=bool(self.jit_compile),
+        )
+        ADAPTER.track_loss(self, batch.loss, _normalizers.batch_size(x, y))
+        # The slices' gradients are weighted and unscaled already.
+        accumulator.step(
+            batch.grads,
+            self.optimizer,
+            weight=batch.weight,
+            loss_scale=1.0 if scaling else None,
+            jit_compile=bool(self.jit_compile),
+            weight_in_loss=True,
+            noise_statistics=batch.noise_statistics,
+        )
+        logs = _window_logs(accumulator, scaling)
+        logs = ADAPTER.train_logs(self, self.get_metrics_result(), logs)
+        return ADAPTER.logs_for_replica_reduction(self, logs)
+
     def make_train_function(self, force=False):
         # At every `fit` (and for every front end built on this class),
         # before anything is built: a refused optimizer changes nothing.
@@ -316,7 +378,12 @@ class AccumModel(
         # `force`), so it is kept across `fit` calls otherwise.
         if force or self.train_function is None:
             self._flush_function = None
-        return super().make_train_function(force=force)
+        rebuilt = force or self.train_function is None
+        function = super().make_train_function(force=force)
+        if rebuilt and self._micro_batch_setting == "auto":
+            # Takes each batch itself, so that it can run it again.
+            self.train_function = function = _auto.AutoTrainFunction(self)
+        return function
 
     def apply_accumulated(self):
         """Applies a pending, partly filled window now (no-op when empty).
@@ -355,7 +422,14 @@ class AccumModel(
         args, kwargs = _epoch_end.with_flush_callback(
             self, self._accum_state, next_fit, args, kwargs
         )
-        return next_fit(*args, **kwargs)
+        try:
+            return next_fit(*args, **kwargs)
+        except tf.errors.ResourceExhaustedError as error:
+            if self._micro_batch_setting == "auto":
+                raise  # It says what it tried.
+            raise _auto.out_of_memory(
+                error, _auto.what_to_set(self.micro_batch_size)
+            ) from error
 
 
 AccumModel = ADAPTER.register_serializable(AccumModel)

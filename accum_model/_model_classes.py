@@ -20,13 +20,20 @@ ADAPTER = _keras.ADAPTER
 keras = _keras.keras
 
 # The constructor arguments `AccumModel` adds to a Keras model's.
-ARGUMENTS = ("accum_steps", "epoch_end", "noise_scale", "adascale")
+ARGUMENTS = (
+    "accum_steps",
+    "epoch_end",
+    "noise_scale",
+    "adascale",
+    "micro_batch_size",
+)
 UNSET = type("Unset", (), {"__repr__": lambda self: "<default>"})()
 _DEFAULTS = {
     "accum_steps": 1,
     "epoch_end": "apply",
     "noise_scale": False,
     "adascale": None,
+    "micro_batch_size": None,
 }
 # On the classes `accumulate` makes: the class each was made from.
 _BASE = "_accum_base"
@@ -167,6 +174,10 @@ def accumulation_config(model):
         config["noise_scale"] = model.noise_scale.get_config()
     if model.adascale is not None:
         config["adascale"] = model.adascale.get_config()
+    # The setting ("auto" or an int), not the size "auto" chose here: a
+    # file loaded on another device chooses again.
+    if model._micro_batch_setting is not None:
+        config["micro_batch_size"] = model._micro_batch_setting
     return config
 
 

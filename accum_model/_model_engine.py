@@ -177,7 +177,8 @@ class ModelEngine(ADAPTER.saveable_base):
 
     def warn_once_on_plain_batchnorm(self):
         model = self._model_ref()
-        if self._warned_batchnorm or model.accum_steps <= 1:
+        splits = model.micro_batch_size is not None
+        if self._warned_batchnorm or (model.accum_steps <= 1 and not splits):
             return
         for layer in ADAPTER.layers(model):
             # A BatchNormalization subclass that takes the accumulator's
@@ -189,13 +190,18 @@ class ModelEngine(ADAPTER.saveable_base):
                 and not callable(getattr(layer, "attach_to_accumulator", None))
             ):
                 self._warned_batchnorm = True
+                what = (
+                    f"micro_batch_size={model.micro_batch_size!r}"
+                    if splits
+                    else f"accum_steps={model.accum_steps}"
+                )
                 warnings.warn(
-                    f"`AccumModel` with accum_steps={model.accum_steps} "
-                    "trains the BatchNormalization layer "
-                    f"{layer.name!r}: its moving mean and variance are "
-                    "updated once per micro-batch (they decay like momentum "
-                    "** accum_steps per update and follow micro-batch "
-                    "moments). Use `accum_model.AccumBatchNormalization`, or "
+                    f"`AccumModel` with {what} trains the "
+                    f"BatchNormalization layer {layer.name!r}: its moving "
+                    "mean and variance are updated once per micro-batch "
+                    "(they decay like momentum ** micro-batches per update "
+                    "and follow micro-batch moments). Use "
+                    "`accum_model.AccumBatchNormalization`, or "
                     "`accum_model.replace_batchnorm(model)`, to update them "
                     "once per update from the pooled moments of the whole "
                     "window.",

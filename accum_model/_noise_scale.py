@@ -226,7 +226,7 @@ class NoiseScaleEstimator(tf.Module):
         """Bool scalar tensor: whether the open window is measured."""
         return tf.equal(self._windows % self.config.every, 0)
 
-    def add(self, contributions, weight, run_if):
+    def add(self, contributions, weight, run_if, statistics=None):
         """Adds one micro-batch that joins the window.
 
         Args:
@@ -234,16 +234,23 @@ class NoiseScaleEstimator(tf.Module):
                 (tensors, `IndexedSlices`, `None`).
             weight: Float32 scalar `w_k`.
             run_if: `run_if(pred, fn)`, the accumulator's conditional.
+            statistics: Optional `(sum_k w_k |g_k|^2, micro-batches)` when
+                `contributions` sum several micro-batches (a split batch),
+                added instead of this one's.
         """
 
         def fn():
-            # w_k |g_k|^2 = |w_k g_k|^2 / w_k. A micro-batch of weight 0 (an
-            # empty shard) holds no sample.
-            norm = squared_norm(contributions)
-            self._q.assign_add(tf.math.divide_no_nan(norm, weight))
+            if statistics is None:
+                # w_k |g_k|^2 = |w_k g_k|^2 / w_k. A micro-batch of weight 0
+                # (an empty shard) holds no sample.
+                q = tf.math.divide_no_nan(squared_norm(contributions), weight)
+                n = tf.cast(weight > 0.0, tf.float32)
+            else:
+                q, n = statistics
+            self._q.assign_add(q)
             # After the data, as the window's counters (the norm reads it).
-            with tf.control_dependencies([norm]):
-                self._n.assign_add(tf.cast(weight > 0.0, tf.float32))
+            with tf.control_dependencies([q]):
+                self._n.assign_add(n)
 
         if self.config.every == 1:
             fn()

@@ -38,6 +38,12 @@ _ENGINE_PARTS = (
     "written in: parts of one engine, split to keep each module one job"
 )
 
+_MICRO_BATCH_SETTING = (
+    'the model\'s own `micro_batch_size` setting (`"auto"`, an int or '
+    'None), not the size the property returns once `"auto"` chose one: '
+    "what configs and clones keep, and what picks the train function"
+)
+
 PRIVATE_NAMES = {
     "_keras.py": {
         # Imports (the private modules' functions and classes).
@@ -86,6 +92,11 @@ PRIVATE_NAMES = {
         # Distribution.
         "_in_multi_worker_mode": "how Keras itself tells a multi-worker "
         "collective strategy, where its 3.15 `fit` needs two workarounds",
+        "_train_counter": "tf_keras' count of training steps, which its "
+        "own step function increments: so does `step_on_data`",
+        "keras.src.backend.tensorflow": "Keras 3's `reduce_per_replica`, "
+        "how its `fit` reduces a step's per-replica logs, for "
+        "`step_on_data`",
         "_steps_per_execution": "tf_keras keeps `steps_per_execution` in "
         "this variable; `ResumableBackup` counts batches with it",
         # Saving, loading and resuming.
@@ -105,6 +116,7 @@ PRIVATE_NAMES = {
         "Keras' clone functions, so that they are wrapped once",
     },
     "_model_classes.py": {
+        "_micro_batch_setting": _MICRO_BATCH_SETTING,
         "_accum_sees_arguments": "a mark on the `__init__` wrappers this "
         "module puts on subclasses, so that an inherited one is not wrapped "
         "again",
@@ -112,8 +124,16 @@ PRIVATE_NAMES = {
     "_model.py": {
         "_init_settings": "`AccumSettings`' initializer of the settings it "
         "holds, called by `AccumModel._init_accumulation`",
+        "_micro_batch_setting": _MICRO_BATCH_SETTING,
+    },
+    "_auto.py": {
+        "_micro_batch_chosen": 'the slice size `"auto"` chose, which the '
+        "model keeps for later `fit` calls (`AccumSettings` reads it in "
+        "`micro_batch_size`); the train function sets it, also while it "
+        "traces a step for a size",
     },
     "_accumulate.py": {
+        "_micro_batch_setting": _MICRO_BATCH_SETTING,
         "_noise_scale": "the model's own `noise_scale` setting, not the "
         "measurement the property returns (which AdaScale turns on): kept "
         "when `accumulate` is called again without it",

@@ -12,6 +12,7 @@ from accum_model import _adascale
 from accum_model import _noise_scale
 from accum_model._validation import check_accum_steps
 from accum_model._validation import check_epoch_end
+from accum_model._validation import check_micro_batch_size
 
 
 class AccumSettings:
@@ -21,12 +22,17 @@ class AccumSettings:
     accumulating, the properties and `_set_measurement` after.
     """
 
-    def _init_settings(self, accum_steps, epoch_end, noise_scale, adascale):
+    def _init_settings(
+        self, accum_steps, epoch_end, noise_scale, adascale, micro_batch_size
+    ):
         # Checked by the caller (`AccumModel.__init__`, `accumulate`).
         self._accum_steps = accum_steps
         self._epoch_end = epoch_end
         self._noise_scale = noise_scale
         self._adascale = adascale
+        self._micro_batch_setting = micro_batch_size
+        # What `"auto"` chose (`_auto`), kept for later `fit` calls.
+        self._micro_batch_chosen = None
 
     def _set_measurement(self, noise_scale, adascale):
         """Sets `noise_scale` and `adascale` together, checked as a pair.
@@ -65,6 +71,30 @@ class AccumSettings:
             self._accum_steps = value
         else:
             accumulator.accum_steps = value
+
+    @property
+    def micro_batch_size(self):
+        """The rows of one slice of a batch, or None (batches are not split).
+
+        Set to an int `m`, `fit(batch_size=E)` splits each batch inside the
+        training step into slices of at most `m` rows and applies the
+        batch's update once (docs/micro_batch.md). Set to `"auto"`, it reads
+        `"auto"` until the first batch chose a size, then that int. A new
+        value takes effect at the next `fit` (the step is traced again).
+        """
+        if self._micro_batch_setting == "auto":
+            return self._micro_batch_chosen or "auto"
+        return self._micro_batch_setting
+
+    @micro_batch_size.setter
+    def micro_batch_size(self, value):
+        value = check_micro_batch_size(value)
+        if value == self._micro_batch_setting:
+            return
+        self._micro_batch_setting = value
+        self._micro_batch_chosen = None
+        # The slice size is part of the traced step.
+        self.train_function = None
 
     @property
     def epoch_end(self):

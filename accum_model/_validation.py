@@ -50,6 +50,29 @@ def check_accum_steps(accum_steps):
     return check_integer("accum_steps", accum_steps, 1)
 
 
+def check_micro_batch_size(micro_batch_size):
+    """Returns `micro_batch_size` checked: None, `"auto"` or an int >= 1.
+
+    Raises:
+        ValueError: For any other value (bools, floats and numeric strings
+            included), before anything changes.
+    """
+    if micro_batch_size is None or (
+        isinstance(micro_batch_size, str) and micro_batch_size == "auto"
+    ):
+        return micro_batch_size
+    if (
+        not is_real(micro_batch_size)
+        or not isinstance(micro_batch_size, numbers.Integral)
+        or micro_batch_size < 1
+    ):
+        raise ValueError(
+            '`micro_batch_size` must be an integer >= 1, "auto" or None. '
+            f"Received: micro_batch_size={micro_batch_size!r}"
+        )
+    return int(micro_batch_size)
+
+
 def check_epoch_end(epoch_end):
     """Returns `epoch_end` if it is a known mode, else raises `ValueError`."""
     if not isinstance(epoch_end, str) or epoch_end not in EPOCH_END_MODES:

@@ -189,6 +189,13 @@ def _fit(strategy, case):
             model = tu.mlp(keras.Model, seed=case.get("seed", 0))
         elif case.get("plain"):
             model = tu.mlp(_plain_model_class(), seed=case.get("seed", 0))
+        elif case.get("split"):
+            # Each replica splits its shard of the whole global batch.
+            model = tu.mlp(
+                AccumModel,
+                seed=case.get("seed", 0),
+                micro_batch_size=case["split"],
+            )
         else:
             model = tu.mlp(
                 AccumModel,
@@ -200,6 +207,8 @@ def _fit(strategy, case):
         optimizer = _optimizer(case)
         allreduce_counter.reset()
         batch_size = case["micro"] * replicas
+        if case.get("split"):
+            batch_size *= steps
         if case.get("pipeline") == "filter":
             # A dataset of unknown length: Keras calls the train function
             # once more at each epoch's end, with an iterator that runs dry.

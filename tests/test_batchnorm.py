@@ -470,9 +470,11 @@ class ReplaceBatchnormTest(tf.test.TestCase, parameterized.TestCase):
 
 @_KERAS3_ONLY
 class BatchnormWarningTest(tf.test.TestCase, parameterized.TestCase):
-    def _fit_twice(self, bn_cls, accum_steps, frozen=False):
+    def _fit_twice(self, bn_cls, accum_steps, frozen=False, **kwargs):
         x, y = _data(8)
-        model = _input_bn_model(AccumModel, bn_cls, accum_steps=accum_steps)
+        model = _input_bn_model(
+            AccumModel, bn_cls, accum_steps=accum_steps, **kwargs
+        )
         model.get_layer("bn").trainable = not frozen
         model.compile(optimizer="sgd", loss="mse")
         with warnings.catch_warnings(record=True) as caught:
@@ -488,6 +490,13 @@ class BatchnormWarningTest(tf.test.TestCase, parameterized.TestCase):
         self.assertIn("accum_model.AccumBatchNormalization", message)
         self.assertIn("accum_model.replace_batchnorm(model)", message)
         self.assertIn("'bn'", message)
+
+    def test_warns_for_plain_batchnorm_in_slices(self):
+        caught = self._fit_twice(
+            keras.layers.BatchNormalization, 1, micro_batch_size=2
+        )
+        self.assertLen(caught, 1)
+        self.assertIn("micro_batch_size=2", str(caught[0].message))
 
     @parameterized.named_parameters(
         ("accum_bn", AccumBatchNormalization, 2, False),

@@ -60,6 +60,12 @@ _FIT_CASES = {
     "sgd_empty_shard_self_reducing_loss": dict(
         optimizer="sgd", n=21, micro=2, steps=3, loss="scalar_mse"
     ),
+    # `micro_batch_size=4` at the global batch 2*2*3: each replica splits
+    # its 6 rows into 4 + 2. 25 = 2*12 + 1: the last global batch's shards
+    # are 1 row and none (a loop of no slice).
+    "momentum_split_empty_shard": dict(
+        optimizer="momentum", n=25, micro=2, steps=3, split=4
+    ),
 }
 # mixed_float16: sample 6 is 1e6, beyond float16's range. With global
 # micro-batches of 2*2 samples it is in micro-batch 1, and in replica 1's

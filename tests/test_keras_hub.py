@@ -301,6 +301,20 @@ class GPT2Test(tf.test.TestCase, parameterized.TestCase):
         self.assertLen(actual, 4)
         tu.assert_same_trajectory(self, expected, actual)
 
+    def test_micro_batch_size_equals_the_batch(self):
+        # Each batch of 4 texts split into slices of 2 (and the short last
+        # batch of 3 into 2 + 1), per valid token.
+        loss = keras.losses.SparseCategoricalCrossentropy(
+            from_logits=True, reduction="mean_with_sample_weight"
+        )
+        reference = _gpt2()
+        lm = tu.copy_weights(reference, _gpt2(seed=1))
+        accumulate(lm, micro_batch_size=2)
+        expected = _fit(reference, 4, "momentum", loss=loss)
+        actual = _fit(lm, 4, "momentum", loss=loss)
+        self.assertLen(actual, 4)
+        tu.assert_same_trajectory(self, expected, actual)
+
     def test_generate_after_training_and_file(self):
         lm = accumulate(_gpt2(), 2)
         _fit(lm, 2, "adamw", epochs=1)

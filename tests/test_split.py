@@ -1,0 +1,368 @@
+"""`micro_batch_size`: a batch split inside the step trains as the batch.
+
+The ground truth is plain `keras.Model` fit at the same batch size, from
+the same weights: the weights after every update, the number of updates,
+the logged loss and metrics, and what callbacks count. Where a plain model
+cannot be the same (BatchNorm normalizes each slice by its own moments; the
+noise scale and AdaScale need a window), the truth is `accum_steps` over
+batches of the slice's size, which the other test modules hold to plain
+Keras.
+"""
+
+import numpy as np
+import tensorflow as tf
+from absl.testing import absltest
+from absl.testing import parameterized
+
+import accum_model
+from accum_model._keras import keras
+from tests import testing_utils as tu
+
+AccumModel = accum_model.AccumModel
+# 100 rows in batches of 32: 32, 32, 32 and a short last batch of 4.
+ROWS = 100
+BATCH = 32
+
+
+def _classifier(cls, seed=0, **kwargs):
+    return tu.mlp(cls, in_dim=6, out_dim=3, hidden=8, seed=seed, **kwargs)
+
+
+def _fit(model, x, y=None, batch_size=BATCH, epochs=2, **kwargs):
+    compile_kwargs = kwargs.pop("compile_kwargs", {})
+    model.compile(
+        optimizer=kwargs.pop("optimizer", None) or tu.OPTIMIZERS["momentum"](),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+        **compile_kwargs,
+    )
+    recorder = tu.UpdateRecorder()
+    counter = _BatchCounter()
+    history = model.fit(
+        x,
+        y,
+        batch_size=None if y is None else batch_size,
+        epochs=epochs,
+        shuffle=False,
+        verbose=0,
+        callbacks=[recorder, counter],
+        **kwargs,
+    )
+    return history.history, recorder.weights, counter.batches
+
+
+class _BatchCounter(keras.callbacks.Callback):
+    def __init__(self):
+        super().__init__()
+        self.batches = 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.batches += 1
+
+
+def _unknown_length(x, y, batch_size):
+    return (
+        tf.data.Dataset.from_tensor_slices((x, y))
+        .filter(lambda a, b: True)
+        .batch(batch_size)
+    )
+
+
+def _generator(x, y, batch_size):
+    def generate():
+        for i in range(0, len(x), batch_size):
+            yield x[i : i + batch_size], y[i : i + batch_size]
+
+    return tf.data.Dataset.from_generator(
+        generate,
+        output_signature=(
+            tf.TensorSpec((None, x.shape[1]), tf.float32),
+            tf.TensorSpec((None,), tf.int32),
+        ),
+    )
+
+
+class SplitFitTest(parameterized.TestCase):
+    """Against plain fit at the full batch."""
+
+    def assert_like_plain(self, plain, split, atol=1e-5, loss=True):
+        history, weights, batches = plain
+        split_history, split_weights, split_batches = split
+        tu.assert_same_trajectory(self, weights, split_weights, atol=atol)
+        self.assertEqual(batches, split_batches, "callback batches")
+        for key in ("loss", "accuracy") if loss else ("accuracy",):
+            np.testing.assert_allclose(
+                split_history[key], history[key], rtol=atol, err_msg=key
+            )
+
+    @parameterized.named_parameters(
+        # 32 = 4 * 7 + 4; the short last batch (4 rows) is one short slice.
+        ("uneven", 7),
+        ("one_row", 1),
+        ("divides", 8),
+        # Larger than the batch: no split, one slice.
+        ("larger_than_batch", 64),
+    )
+    def test_numpy(self, size):
+        x, y = tu.classification_data(ROWS, in_dim=6)
+        plain = _fit(_classifier(keras.Model), x, y)
+        split = _fit(_classifier(AccumModel, micro_batch_size=size), x, y)
+        self.assert_like_plain(plain, split)
+
+    @parameterized.named_parameters(
+        ("unknown_length", _unknown_length), ("generator", _generator)
+    )
+    def test_pipelines(self, pipeline):
+        x, y = tu.classification_data(ROWS, in_dim=6)
+        # The reference: NumPy input, whose length Keras knows.
+        plain = _fit(_classifier(keras.Model), x, y)
+        split = _fit(
+            _classifier(AccumModel, micro_batch_size=7),
+            pipeline(x, y, BATCH),
+        )
+        self.assert_like_plain(plain, split)
+
+    def test_tfrecords(self):
+        x, y = tu.classification_data(ROWS, in_dim=6)
+        path = self.create_tempfile("rows.tfrecord").full_path
+        with tf.io.TFRecordWriter(path) as writer:
+            for xi, yi in zip(x, y):
+                features = {
+                    "x": tf.train.Feature(
+                        float_list=tf.train.FloatList(value=xi)
+                    ),
+                    "y": tf.train.Feature(
+                        int64_list=tf.train.Int64List(value=[yi])
+                    ),
+                }
+                example = tf.train.Example(
+                    features=tf.train.Features(feature=features)
+                )
+                writer.write(example.SerializeToString())
+        spec = {
+            "x": tf.io.FixedLenFeature([6], tf.float32),
+            "y": tf.io.FixedLenFeature([], tf.int64),
+        }
+
+        def parse(record):
+            parsed = tf.io.parse_single_example(record, spec)
+            return parsed["x"], tf.cast(parsed["y"], tf.int32)
+
+        dataset = tf.data.TFRecordDataset(path).map(parse).batch(BATCH)
+        plain = _fit(_classifier(keras.Model), x, y)
+        split = _fit(_classifier(AccumModel, micro_batch_size=5), dataset)
+        self.assert_like_plain(plain, split)
+
+    @parameterized.named_parameters(
+        ("jit_compile", dict(jit_compile=True)),
+        ("steps_per_execution", dict(steps_per_execution=3)),
+    )
+    def test_compile_options(self, compile_kwargs):
+        if tu.TF_KERAS and "jit_compile" in compile_kwargs:
+            self.skipTest("tf_keras' XLA fit is covered by test_model.")
+        x, y = tu.classification_data(ROWS, in_dim=6)
+        plain = _fit(
+            _classifier(keras.Model), x, y, compile_kwargs=compile_kwargs
+        )
+        split = _fit(
+            _classifier(AccumModel, micro_batch_size=7),
+            x,
+            y,
+            compile_kwargs=compile_kwargs,
+        )
+        self.assert_like_plain(plain, split)
+
+    def test_learning_rate_schedule_steps_per_batch(self):
+        x, y = tu.classification_data(ROWS, in_dim=6)
+
+        def optimizer():
+            schedule = keras.optimizers.schedules.ExponentialDecay(
+                0.2, decay_steps=1, decay_rate=0.5
+            )
+            return keras.optimizers.SGD(schedule)
+
+        plain = _fit(_classifier(keras.Model), x, y, optimizer=optimizer())
+        split = _fit(
+            _classifier(AccumModel, micro_batch_size=5),
+            x,
+            y,
+            optimizer=optimizer(),
+        )
+        self.assert_like_plain(plain, split)
+
+    @parameterized.named_parameters(
+        # 80 rows: batches of 32, 32, 16. Windows of two batches: (32, 32)
+        # and the last batch alone, applied at the epoch's end.
+        ("apply", "apply"),
+    )
+    def test_windows_of_batches(self, epoch_end):
+        x, y = tu.classification_data(80, in_dim=6)
+        plain = _fit(_classifier(keras.Model), x, y, batch_size=2 * BATCH)
+        split = _fit(
+            _classifier(
+                AccumModel,
+                micro_batch_size=7,
+                accum_steps=2,
+                epoch_end=epoch_end,
+            ),
+            x,
+            y,
+        )
+        history, weights, _ = plain
+        split_history, split_weights, split_batches = split
+        tu.assert_same_trajectory(self, weights, split_weights)
+        # One callback batch per batch of 32: 3 an epoch.
+        self.assertEqual(split_batches, 6)
+
+    def test_mixed_float16(self):
+        tu.use_policy(self, "mixed_float16")
+        x, y = tu.classification_data(ROWS, in_dim=6)
+        plain = _fit(_classifier(keras.Model), x, y)
+        split = _fit(_classifier(AccumModel, micro_batch_size=7), x, y)
+        # float16 activations: a slice's are rounded as the batch's are,
+        # but summed in another order.
+        self.assert_like_plain(plain, split, atol=1e-3)
+
+    def test_per_token_loss_with_padding(self):
+        # Sequences padded with 0; Keras divides the loss by the tokens
+        # that are not padding, so slices weigh by their tokens.
+        rng = np.random.default_rng(0)
+        lengths = rng.integers(1, 9, size=48)
+        x = np.zeros((48, 8), "int32")
+        for i, n in enumerate(lengths):
+            x[i, :n] = rng.integers(1, 20, size=n)
+        y = (x * 7 + 3) % 5
+
+        def model(cls, **kwargs):
+            keras.utils.set_random_seed(0)
+            inputs = keras.Input((8,), dtype="int32")
+            h = keras.layers.Embedding(20, 6, mask_zero=True)(inputs)
+            outputs = keras.layers.Dense(5)(h)
+            return cls(inputs, outputs, **kwargs)
+
+        plain = _fit(model(keras.Model), x, y, batch_size=16)
+        split = _fit(model(AccumModel, micro_batch_size=5), x, y, batch_size=16)
+        # tf_keras' compiled loss logs each slice's loss itself, weighted by
+        # its samples, not its tokens (docs/micro_batch.md).
+        self.assert_like_plain(plain, split, loss=not tu.TF_KERAS)
+
+    def test_accumulate_front_end(self):
+        x, y = tu.classification_data(ROWS, in_dim=6)
+        plain = _fit(_classifier(keras.Model), x, y)
+        model = accum_model.accumulate(
+            _classifier(keras.Model), micro_batch_size=7
+        )
+        self.assertEqual(model.accum_steps, 1)
+        self.assertEqual(model.micro_batch_size, 7)
+        split = _fit(model, x, y)
+        self.assert_like_plain(plain, split)
+
+
+class SplitWindowTest(parameterized.TestCase):
+    """Against `accum_steps` over batches of the slice's size."""
+
+    def _pair(self, make, x, y, **kwargs):
+        windows = make(accum_steps=4, **kwargs)
+        split = make(micro_batch_size=8, **kwargs)
+        # 96 rows: 3 batches of 32, each 4 slices of 8.
+        windows_run = _fit(windows, x, y, batch_size=8, epochs=1)
+        split_run = _fit(split, x, y, batch_size=32, epochs=1)
+        tu.assert_same_trajectory(self, windows_run[1], split_run[1])
+        return windows, split
+
+    def test_noise_scale_counts_slices(self):
+        x, y = tu.classification_data(96, in_dim=6)
+
+        def make(**kwargs):
+            return _classifier(AccumModel, noise_scale=True, **kwargs)
+
+        windows, split = self._pair(make, x, y)
+        # Measured at accum_steps=1: each slice is a sample.
+        self.assertEqual(split.accum_steps, 1)
+        self.assertEqual(split.gradient_accumulator.noise_scale.measurements, 3)
+        np.testing.assert_allclose(
+            split.gradient_noise_scale, windows.gradient_noise_scale, rtol=1e-4
+        )
+
+    def test_adascale(self):
+        x, y = tu.classification_data(96, in_dim=6)
+
+        def make(**kwargs):
+            return _classifier(
+                AccumModel,
+                adascale=accum_model.AdaScale(base_batch=8),
+                **kwargs,
+            )
+
+        windows, split = self._pair(make, x, y)
+        np.testing.assert_allclose(
+            split.adascale_gain, windows.adascale_gain, rtol=1e-4
+        )
+        np.testing.assert_allclose(
+            split.adascale_tau, windows.adascale_tau, rtol=1e-4
+        )
+
+    def test_accum_batchnorm_moments_of_the_batch(self):
+        if tu.TF_KERAS:
+            self.skipTest("AccumBatchNormalization needs Keras 3.")
+        x, y = tu.classification_data(96, in_dim=6)
+
+        def make(**kwargs):
+            keras.utils.set_random_seed(0)
+            inputs = keras.Input((6,))
+            h = keras.layers.Dense(8)(inputs)
+            h = accum_model.AccumBatchNormalization()(h)
+            outputs = keras.layers.Dense(3)(h)
+            return AccumModel(inputs, outputs, **kwargs)
+
+        windows, split = self._pair(make, x, y)
+        for a, b in zip(
+            windows.non_trainable_weights, split.non_trainable_weights
+        ):
+            np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-5)
+
+
+class SettingTest(parameterized.TestCase):
+    @parameterized.named_parameters(
+        ("zero", 0),
+        ("negative", -1),
+        ("float", 2.5),
+        ("string", "16"),
+        ("bool", True),
+        ("other_mode", "automatic"),
+    )
+    def test_refused_before_anything_changes(self, value):
+        with self.assertRaisesRegex(ValueError, "micro_batch_size"):
+            _classifier(AccumModel, micro_batch_size=value)
+        model = _classifier(keras.Model)
+        with self.assertRaisesRegex(ValueError, "micro_batch_size"):
+            accum_model.accumulate(model, micro_batch_size=value)
+        self.assertNotIsInstance(model, AccumModel)
+        model = _classifier(AccumModel, micro_batch_size=4)
+        with self.assertRaisesRegex(ValueError, "micro_batch_size"):
+            model.micro_batch_size = value
+        self.assertEqual(model.micro_batch_size, 4)
+
+    def test_config_round_trip(self):
+        for value in (None, 4, "auto"):
+            model = _classifier(AccumModel, micro_batch_size=value)
+            config = model.get_config()
+            self.assertEqual(config.get("micro_batch_size"), value)
+            clone = AccumModel.from_config(config)
+            self.assertEqual(clone.micro_batch_size, value)
+
+    def test_saved_model_keeps_the_setting(self):
+        model = _classifier(AccumModel, micro_batch_size=4)
+        model.compile(optimizer="sgd", loss="mse")
+        path = self.create_tempdir().full_path + "/model.keras"
+        model.save(path)
+        loaded = keras.models.load_model(path)
+        self.assertEqual(loaded.micro_batch_size, 4)
+
+    def test_misspelled_keyword(self):
+        with self.assertRaisesRegex(TypeError, "micro_batch_size"):
+            _classifier(AccumModel, micro_batchsize=4)
+
+
+if __name__ == "__main__":
+    absltest.main()
