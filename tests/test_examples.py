@@ -175,3 +175,28 @@ class AdaScaleExampleTest(tf.test.TestCase):
 
 if __name__ == "__main__":
     tf.test.main()
+
+
+class FitAnyBatchExampleTest(tf.test.TestCase):
+    def test_auto_trains_as_the_batch_under_a_limit(self):
+        # The reference without a limit, and "auto" under one: each
+        # out-of-memory error costs about 10 s of the allocator's waiting.
+        result = _run_example(
+            "fit_any_batch.py",
+            "--runs=auto",
+            "--samples=512",
+            "--epochs=1",
+        )
+        self.assertEqual(result.returncode, 0, result.stderr[-3000:])
+        rows = {
+            line[:24].strip(): line.split()
+            for line in result.stdout.splitlines()
+            if line.endswith("MiB")
+        }
+        auto = rows['micro_batch_size="auto"']
+        # Under the limit it chose a slice smaller than the batch, made
+        # the batch's two updates and ended on its weights.
+        self.assertLess(int(auto[4]), 256)
+        self.assertEqual(int(auto[5]), 2)
+        self.assertLess(float(auto[7]), 1e-5)
+        self.assertIn('micro_batch_size="auto" chose', result.stdout)
