@@ -20,6 +20,14 @@ times `fit` on the same data (made here):
              ratio of the run (building the six in reverse order moved it
              by no more than its own spread)
 
+and, only when `--contenders` names it:
+
+  split      `AccumModel(micro_batch_size=B)` at batch N*B: each batch
+             split inside the train step into N slices of B (a
+             `tf.while_loop`), one update per batch, so as many updates as
+             `accum` and plain_NB; its ratios split/accum and
+             split/plain_NB get a table of their own
+
 Workloads: an MLP of ~5M parameters (optimizer-bound at small B), a small
 CNN on 32x32 images (compute-bound) and a small Transformer encoder over
 token sequences (its embedding gradients are sparse); SGD and AdamW.
@@ -61,6 +69,8 @@ calls made here.
     python benchmarks/bench_fit.py --quick          # smoke run, seconds
     python benchmarks/bench_fit.py --json out.json --jit_compile=true
     python benchmarks/bench_fit.py --workloads=mlp --baseline=/tmp/old
+    python benchmarks/bench_fit.py --workloads=mlp \
+        --contenders=plain_NB,accum_again,split     # micro_batch_size
 
 Uses a GPU when TensorFlow sees one (Keras then compiles with XLA by
 default; `--jit_compile` overrides it); `--device=cpu` or `--device=gpu`
@@ -91,7 +101,22 @@ keras = tf.keras
 # `tf.keras` is tf_keras (Keras 2) when TF_USE_LEGACY_KERAS=1 was set.
 TF_KERAS = keras.Model.__module__.startswith("tf_keras")
 
-CONTENDERS = ("plain_B", "accum", "builtin", "plain_NB", "floor", "accum_again")
+CONTENDERS = (
+    "plain_B",
+    "accum",
+    "builtin",
+    "plain_NB",
+    "floor",
+    "accum_again",
+    "split",
+)
+# Run only when `--contenders` names them.
+OPT_IN = ("split",)
+# What `split` is compared with, with column titles.
+SPLIT_REFERENCES = {
+    "accum": "split / accum",
+    "plain_NB": "split / plain_NB",
+}
 # What `accum` is compared with, in the table's order, with column titles.
 REFERENCES = {
     "plain_B": "accum / plain_B",
@@ -115,9 +140,10 @@ _REPEATS = flags.DEFINE_integer(
     "repeats",
     12,
     "Interleaved timed repeats per workload and optimizer (a multiple of "
-    f"the number of contenders, {len(CONTENDERS)}, or {len(CONTENDERS) - 1} "
-    "under tf_keras, runs every contender equally often in every "
-    "position).",
+    "the number of contenders, by default "
+    f"{len(CONTENDERS) - len(OPT_IN)}, or "
+    f"{len(CONTENDERS) - len(OPT_IN) - 1} under tf_keras, runs every "
+    "contender equally often in every position).",
 )
 _SECONDS = flags.DEFINE_float(
     "seconds",
@@ -168,7 +194,8 @@ _CONTENDERS = flags.DEFINE_list(
     "contenders",
     [],
     f"Only these of {CONTENDERS} (plus the accum_gns and baseline ones; "
-    "accum is always run). Default: all.",
+    "accum is always run). Default: all but the opt-in ones, "
+    f"{OPT_IN}.",
 )
 _BASELINE = flags.DEFINE_list(
     "baseline",
@@ -447,6 +474,8 @@ def _contender_names(
     names = [c for c in CONTENDERS if not (c == "builtin" and TF_KERAS)]
     if only:
         names = [c for c in names if c in only or c == "accum"]
+    else:
+        names = [c for c in names if c not in OPT_IN]
     names += [f"accum_gns_k{int(k)}" for k in noise_scale_every]
     names += ["accum_adascale"] if adascale else []
     return names + baseline_names(baselines)
@@ -495,6 +524,9 @@ def _build_contenders(
                     "adascale": accum_model.AdaScale(base_batch=micro),
                 },
             )
+        elif name == "split":
+            # `accum_steps` is 1: one update per batch of N*B.
+            cls, kwargs = _counting(AccumModel), {"micro_batch_size": micro}
         elif name == "floor":
             cls, kwargs = _floor_class(), {}
         else:
@@ -509,7 +541,7 @@ def _build_contenders(
             **_jit_kwargs(),
         )
         model._bench_xla = False
-        batch = micro * n if name == "plain_NB" else micro
+        batch = micro * n if name in ("plain_NB", "split") else micro
         contender = _Contender(name, model, batch)
         contender.dataset = (
             tf.data.Dataset.from_tensor_slices((x, y))
@@ -597,7 +629,8 @@ def run_one(
 
     def micro_steps(c, steps):
         # Every contender trains on `steps * micro` samples per timed fit.
-        return steps // n if c.name == "plain_NB" else steps
+        # plain_NB and split take N*B samples per step.
+        return steps // n if c.name in ("plain_NB", "split") else steps
 
     # Warm up: the first fit traces and builds (Floor learns whether the
     # step is XLA-compiled only after compile resolved `jit_compile`, so it
@@ -692,6 +725,22 @@ def run_one(
     for reference in REFERENCES:
         if reference in rates:
             result["ratios"][f"accum/{reference}"] = ratio("accum", reference)
+    if "split" in by_name:
+        for reference in SPLIT_REFERENCES:
+            if reference in rates:
+                result["ratios"][f"split/{reference}"] = ratio(
+                    "split", reference
+                )
+        model = by_name["split"].model
+        result["split"] = {
+            "micro_batch_size": model.micro_batch_size,
+            "batch_size": by_name["split"].batch_size,
+            "updates": int(model.optimizer.iterations),
+            "traces": type(model).traces,
+            "accumulator_state_bytes": _state_bytes(
+                model.gradient_accumulator.state_variables
+            ),
+        }
     for c in contenders:
         if c.name.startswith("accum_gns_k"):
             estimator = c.model.gradient_accumulator.noise_scale
@@ -863,6 +912,29 @@ def format_baseline_table(results):
     )
 
 
+def format_split_table(results):
+    """The split contender's rates over accum's and plain_NB's, as Markdown."""
+    return _markdown(
+        ["workload", "optimizer", "samples/s split"]
+        + list(SPLIT_REFERENCES.values())
+        + ["A/A: accum / accum_again", "traces split"],
+        [
+            [
+                r["workload"],
+                r["optimizer"],
+                f"{r['median_samples_per_second']['split']:.0f}",
+            ]
+            + [
+                _fmt_ratio(r["ratios"].get(f"split/{ref}"))
+                for ref in SPLIT_REFERENCES
+            ]
+            + [_aa(r), str(r["split"]["traces"])]
+            for r in results
+            if "split" in r
+        ],
+    )
+
+
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError("Too many command-line arguments.")
@@ -937,6 +1009,9 @@ def main(argv):
     print()
     if "plain_B" in results[0]["median_samples_per_second"]:
         print(format_table(results))
+        print()
+    if "split" in results[0]:
+        print(format_split_table(results))
         print()
     if _NOISE_SCALE_EVERY.value:
         print(format_noise_table(results))

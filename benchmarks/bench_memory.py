@@ -12,6 +12,9 @@ here (nothing is downloaded):
              `--accum_steps`
   builtin_N  plain `fit` at B with the optimizer's own
              `gradient_accumulation_steps=N` (Keras 3)
+  split_N    `accumulate(model, micro_batch_size=B)`, `fit` at E: each
+             batch split inside the train step into N slices of B, for
+             each N of `--accum_steps` (only when `--runs` names `split`)
 
 Models: GPT-2 124M (keras-hub `GPT2Backbone` at the base configuration, with
 the causal LM head tied to the token embedding), GPT-2 with LoRA (keras-hub's
@@ -34,7 +37,9 @@ activations per sample and a constant from the two plain runs (the slope and
 intercept of peak against batch size), and prints each row's prediction
 against its measurement, and the crossover: the
 smallest effective batch at which accumulating N micro-batches peaks lower
-than the plain large batch.
+than the plain large batch. With `split` rows it also prints plain_E,
+accum_N and split_N side by side, each measured and predicted (n/a where
+the model has no prediction: no plain pair to fit it to).
 
     python benchmarks/bench_memory.py                    # README table
     python benchmarks/bench_memory.py --models=bert,resnet50
@@ -42,6 +47,8 @@ than the plain large batch.
     python benchmarks/bench_memory.py --optimizers=adamw,sgd --json out.json
     python benchmarks/bench_memory.py --models=resnet50 --jit_compile=true
     python benchmarks/bench_memory.py --device=gpu --jit_compile=auto
+    python benchmarks/bench_memory.py --models=gpt2,resnet50 \
+        --runs=plain_E,plain_B,accum,split          # micro_batch_size
     python benchmarks/bench_memory.py --report=a.json,b.json
     python benchmarks/bench_memory.py --quick            # tiny models, smoke
 
@@ -68,7 +75,9 @@ import peak_memory  # noqa: E402
 
 MODELS = ("gpt2", "gpt2_lora", "bert", "resnet50")
 OPTIMIZERS = ("adamw", "sgd")
-RUNS = ("plain_E", "plain_B", "accum", "builtin")
+RUNS = ("plain_E", "plain_B", "accum", "builtin", "split")
+# Run only when `--runs` names them.
+OPT_IN_RUNS = ("split",)
 LORA_RANK = 4
 MIB = 2**20
 
@@ -82,9 +91,10 @@ _OPTIMIZERS = flags.DEFINE_list(
 )
 _RUNS = flags.DEFINE_list(
     "runs",
-    list(RUNS),
-    f"Which of {RUNS}; accum runs once per `--accum_steps`, plain_B and "
-    "builtin at the smallest micro-batch, E divided by the largest of them.",
+    [r for r in RUNS if r not in OPT_IN_RUNS],
+    f"Which of {RUNS}; accum and split run once per `--accum_steps`, "
+    "plain_B and builtin at the smallest micro-batch, E divided by the "
+    "largest of them.",
 )
 _BUILTIN_MODELS = flags.DEFINE_list(
     "builtin_models",
@@ -280,7 +290,8 @@ def measure(config, queue):
     Args:
         config: A dict: model, optimizer, run, micro_batch, accum_steps,
             sequence_length, image_size, windows, jit_compile, device,
-            quick.
+            quick. For `split` `fit` takes batches of `micro_batch *
+            accum_steps` and splits each in slices of `micro_batch`.
         queue: Where the result dict goes.
     """
     began = time.perf_counter()
@@ -293,10 +304,12 @@ def measure(config, queue):
     tf.get_logger().setLevel("ERROR")
     device = peak_memory.memory_device(tf, config["device"])
     run, n, micro = config["run"], config["accum_steps"], config["micro_batch"]
-    window = 1 if run.startswith("plain") else n
+    # Batches per update, and the rows of each.
+    window = n if run in ("accum", "builtin") else 1
+    batch = micro * n if run == "split" else micro
     steps = window * (1 + config["windows"])
     keras.utils.set_random_seed(0)
-    model, x, y = _build(config, micro * steps)
+    model, x, y = _build(config, batch * steps)
     optimizer_kwargs = (
         {"gradient_accumulation_steps": n} if run == "builtin" else {}
     )
@@ -306,6 +319,8 @@ def measure(config, queue):
         optimizer = keras.optimizers.SGD(1e-3, **optimizer_kwargs)
     if run == "accum":
         accum_model.accumulate(model, n)
+    elif run == "split":
+        accum_model.accumulate(model, micro_batch_size=micro)
     model.compile(
         optimizer=optimizer,
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
@@ -340,7 +355,7 @@ def measure(config, queue):
                 self.seconds = time.perf_counter() - self.start
 
     clock = Window()
-    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(micro)
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(batch)
     model.fit(dataset, epochs=1, verbose=0, callbacks=[clock])
     info = tf.config.experimental.get_memory_info(device)
     # The warm-up window's peak, then each measured window's.
@@ -358,7 +373,12 @@ def measure(config, queue):
             "warm_up_peak_bytes": warm_up_peak,
             "resident_before_fit_bytes": resident,
             "resident_after_fit_bytes": info["current"],
-            "samples_per_second": micro * (steps - window) / clock.seconds,
+            "samples_per_second": batch * (steps - window) / clock.seconds,
+            "fit_batch": batch,
+            "input_bytes_per_sample": sum(
+                a.nbytes for a in tf.nest.flatten((x, y))
+            )
+            / (batch * steps),
             "process_seconds": time.perf_counter() - began,
             "updates": int(model.optimizer.iterations),
             "parameters": int(model.count_params()),
@@ -375,7 +395,7 @@ def measure(config, queue):
             ),
             "accumulator_bytes": (
                 _bytes(model.gradient_accumulator.state_variables)
-                if run == "accum"
+                if run in ("accum", "split")
                 else _bytes(builtin)
             ),
         }
@@ -388,7 +408,7 @@ def configurations(
     """The configurations to measure, in order, as dicts for `measure`.
 
     `plain_B` and `builtin` run at the smallest micro-batch, E divided by the
-    largest N.
+    largest N; `split` at E, in slices of E / N.
     """
     largest = max(accum_steps)
     configs = []
@@ -403,6 +423,8 @@ def configurations(
                 rows += [("accum", effective // n, n) for n in accum_steps]
             if "builtin" in runs and model in builtin_models:
                 rows.append(("builtin", effective // largest, largest))
+            if "split" in runs:
+                rows += [("split", effective // n, n) for n in accum_steps]
             for run, micro, n in rows:
                 configs.append(
                     dict(
@@ -418,7 +440,7 @@ def configurations(
 
 
 def label(row):
-    """`plain_E`, `plain_B`, `accum_N` or `builtin_N`."""
+    """`plain_E`, `plain_B`, `accum_N`, `builtin_N` or `split_N`."""
     if row["run"].startswith("plain"):
         return row["run"]
     return f"{row['run']}_{row['accum_steps']}"
@@ -428,10 +450,12 @@ def memory_model(rows):
     """Fits the memory model per model and optimizer; predicts every row.
 
     A peak is the static bytes plus `a * b` (the activations of a micro-batch
-    of `b` samples) plus a constant `c`. The static bytes come from the
+    of `b` samples) plus a constant `c`, plus for `split` the inputs of the
+    whole batch (`batch_input_bytes`). The static bytes come from the
     variables' sizes (see `static_bytes`). `a` and `c` come from the two
     plain runs of the same model and optimizer. Sets `predicted_bytes` on
-    every row of a group that has both, and `fitted` on those two.
+    every row of a group that has both (but a `split` row that does not
+    say its inputs' size), and `fitted` on those two.
 
     Args:
         rows: The measured rows (dicts from `measure`), changed in place.
@@ -439,8 +463,8 @@ def memory_model(rows):
     Returns:
         A list of dicts, one per model and optimizer with both plain runs:
         the terms of the model, and for each N measured the smallest
-        effective batch at which accumulating (AccumModel, built-in) peaks
-        below the plain large batch.
+        effective batch at which accumulating (AccumModel, built-in,
+        `micro_batch_size`) peaks below the plain large batch.
     """
     fits = []
     groups = {}
@@ -462,8 +486,14 @@ def memory_model(rows):
             - per_sample * small["micro_batch"]
         )
         for r in group:
+            inputs = batch_input_bytes(r)
+            if inputs is None:
+                continue
             r["predicted_bytes"] = (
-                static_bytes(r) + per_sample * r["micro_batch"] + constant
+                static_bytes(r)
+                + per_sample * r["micro_batch"]
+                + constant
+                + inputs
             )
             r["fitted"] = r is large or r is small
         gradients = large["trainable_bytes"]
@@ -486,15 +516,19 @@ def memory_model(rows):
         held = holds("plain_E")
         ns = sorted({r["accum_steps"] for r in group if r["run"] != "plain_E"})
 
-        def crossover(extra):
+        def crossover(extra, per_effective_sample=0.0):
             # Accumulating N saves memory once the activations of the N - 1
             # micro-batches it avoids, a * E * (1 - 1/N), outweigh what it
-            # holds in addition to plain fit.
+            # holds in addition to plain fit (for `split`, also what grows
+            # with E: the whole batch's inputs). Never, where they do not.
             return {
-                n: max(extra, 0) / (per_sample * (1 - 1 / n))
+                n: max(extra, 0)
+                / (per_sample * (1 - 1 / n) - per_effective_sample)
                 for n in ns
-                if n > 1 and per_sample > 0
+                if n > 1 and per_sample * (1 - 1 / n) > per_effective_sample
             }
+
+        input_per_sample = large.get("input_bytes_per_sample")
 
         fits.append(
             {
@@ -508,9 +542,16 @@ def memory_model(rows):
                 "accumulator_bytes": accumulators,
                 "activation_bytes_per_sample": per_sample,
                 "constant_bytes": constant,
+                "gradient_sum_bytes": gradient_sum_bytes(large),
+                "input_bytes_per_sample": input_per_sample,
                 "crossover_effective_batch": {
                     "accum": crossover(holds("accum") - held),
                     "builtin": crossover(holds("builtin") - held),
+                    "split": (
+                        {}
+                        if input_per_sample is None
+                        else crossover(holds("split") - held, input_per_sample)
+                    ),
                 },
                 "effective_batch": large["micro_batch"],
             }
@@ -537,6 +578,9 @@ def static_bytes(row):
     backward pass produces it, which frees it, and runs the optimizer after
     the backward pass; its accumulators are dense. Under XLA, which
     schedules the whole step, its gradients live as long as plain fit's.
+    `micro_batch_size` (`split`) holds what `AccumModel` holds, and the
+    float32 gradient sums its loop carries across the slices
+    (`gradient_sum_bytes`).
     """
     dense = row["trainable_bytes"] - row.get("sparse_gradient_bytes", 0)
     held = PLAIN_GRADIENT_COPIES[row["optimizer"]] * dense
@@ -544,6 +588,7 @@ def static_bytes(row):
     gradients = {
         "accum": held if xla else 0,
         "builtin": held + row["trainable_bytes"],
+        "split": (held if xla else 0) + gradient_sum_bytes(row),
     }.get(row["run"], held)
     return (
         row["weight_bytes"]
@@ -551,6 +596,31 @@ def static_bytes(row):
         + row["accumulator_bytes"]
         + gradients
     )
+
+
+def gradient_sum_bytes(row):
+    """The bytes of the gradient sums a `split` batch's loop carries.
+
+    Float32 and dense, one per trainable weight, whatever the weights' dtype
+    (a sparse gradient is added into its sum by rows).
+    """
+    return 4 * row["trainable_parameters"]
+
+
+def batch_input_bytes(row):
+    """The whole batch's inputs and labels a `split` row holds, or None.
+
+    A `split` row holds its batch, E rows, while its slices run, beside the
+    activations of one slice (`a * b`): bytes per sample times E. None where
+    the row does not say its inputs' size; 0 for the other runs, whose batch
+    is their micro-batch.
+    """
+    if row["run"] != "split":
+        return 0
+    per_sample = row.get("input_bytes_per_sample")
+    if per_sample is None:
+        return None
+    return per_sample * row["micro_batch"] * row["accum_steps"]
 
 
 def _mib(value):
@@ -600,17 +670,18 @@ def format_fits(fits):
         "| model | optimizer | weights | gradients (sparse; plain fit "
         "holds) | optimizer slots | accumulators | activations / sample | "
         "constant | "
-        "AccumModel saves memory from E = | built-in saves memory from E = |",
-        "|---" * 10 + "|",
+        "AccumModel saves memory from E = | built-in saves memory from E = | "
+        "micro_batch_size saves memory from E = |",
+        "|---" * 11 + "|",
     ]
     for f in fits:
         crossovers = [
             ", ".join(
                 f"{e:.1f} (N={n})"
-                for n, e in f["crossover_effective_batch"][kind].items()
+                for n, e in f["crossover_effective_batch"].get(kind, {}).items()
             )
             or "-"
-            for kind in ("accum", "builtin")
+            for kind in ("accum", "builtin", "split")
         ]
         lines.append(
             f"| {f['model']} | {f['optimizer']} | {_mib(f['weight_bytes'])} | "
@@ -621,7 +692,54 @@ def format_fits(fits):
             f"{_mib(f['accumulator_bytes'])} | "
             f"{f['activation_bytes_per_sample'] / MIB:,.1f} | "
             f"{_mib(f['constant_bytes'])} | {crossovers[0]} | "
-            f"{crossovers[1]} |"
+            f"{crossovers[1]} | {crossovers[2]} |"
+        )
+    return "\n".join(lines)
+
+
+def _measured_predicted(row):
+    """`peak / prediction (error)` in MiB; `fitted` or `n/a` for the latter."""
+    if row is None:
+        return "-"
+    predicted = row.get("predicted_bytes")
+    if predicted is None:
+        return f"{_mib(row['peak_bytes'])} / n/a"
+    if row.get("fitted", False):
+        return f"{_mib(row['peak_bytes'])} / fitted"
+    error = (predicted - row["peak_bytes"]) / row["peak_bytes"]
+    return f"{_mib(row['peak_bytes'])} / {_mib(predicted)} ({error:+.1%})"
+
+
+def format_split(rows):
+    """Each `split_N` row beside plain_E and accum_N, as a Markdown table.
+
+    Peaks measured / predicted, in MiB, and what the split holds beyond
+    `accumulate(N)` at the same micro-batch (measured / predicted).
+    """
+    lines = [
+        "| model | optimizer | E = N x B | plain_E | accum_N at B | "
+        "micro_batch_size=B at E | split - accum |",
+        "|---" * 7 + "|",
+    ]
+    by = {(r["model"], r["optimizer"], label(r)): r for r in rows}
+    for r in rows:
+        if r["run"] != "split":
+            continue
+        key = (r["model"], r["optimizer"])
+        n, micro = r["accum_steps"], r["micro_batch"]
+        plain = by.get((*key, "plain_E"))
+        accum = by.get((*key, f"accum_{n}"))
+        difference = "-"
+        if accum is not None:
+            measured = _mib(r["peak_bytes"] - accum["peak_bytes"])
+            both = (r.get("predicted_bytes"), accum.get("predicted_bytes"))
+            predicted = "n/a" if None in both else _mib(both[0] - both[1])
+            difference = f"{measured} / {predicted}"
+        lines.append(
+            f"| {r['model']} | {r['optimizer']} | "
+            f"{n * micro} = {n} x {micro} | {_measured_predicted(plain)} | "
+            f"{_measured_predicted(accum)} | {_measured_predicted(r)} | "
+            f"{difference} |"
         )
     return "\n".join(lines)
 
@@ -657,7 +775,8 @@ def _run_all(configs, jobs):
 
 def _print_progress(r):
     print(
-        f"{r['model']} {r['optimizer']} {label(r)} (B={r['micro_batch']}): "
+        f"{r['model']} {r['optimizer']} {label(r)} (B={r['micro_batch']}"
+        f"{', E=' + str(r['fit_batch']) if r['run'] == 'split' else ''}): "
         f"peak {_mib(r['peak_bytes'])} MiB, "
         f"{r['samples_per_second']:.2f} samples/s",
         flush=True,
@@ -668,6 +787,9 @@ def _print_tables(rows, fits):
     print()
     print(format_rows(rows))
     print()
+    if any(r["run"] == "split" for r in rows):
+        print(format_split(rows))
+        print()
     if fits:
         print(format_fits(fits))
         print()

@@ -90,8 +90,17 @@ class BenchFitTest(tf.test.TestCase):
         # Too few samples for 95%: min and max, with their coverage.
         self.assertEqual(median_interval([3, 1, 2, 5, 4]), (1, 5, 1 - 2 / 32))
 
+    def test_split_is_run_only_when_named(self):
+        names = _load_bench_fit()._contender_names
+        self.assertNotIn("split", names())
+        self.assertEqual(names(["split"]), ["accum", "split"])
+
     def test_quick_run_reports_every_contender_and_workload(self):
-        result, path = _run_bench_fit("--optimizers=adamw")
+        # Every contender: the default ones and the opt-in `split`.
+        named = ["plain_B", "builtin", "plain_NB", "floor", "accum_again"]
+        result, path = _run_bench_fit(
+            "--optimizers=adamw", f"--contenders={','.join(named)},split"
+        )
         self.assertEqual(result.returncode, 0, result.stderr[-3000:])
         with open(path) as f:
             report = json.load(f)
@@ -101,26 +110,52 @@ class BenchFitTest(tf.test.TestCase):
             contenders.append("builtin")
         workloads = [r["workload"] for r in report["results"]]
         self.assertCountEqual(workloads, ["mlp", "cnn", "transformer"])
+        median_interval = _load_bench_fit().median_interval
+
+        def check_ratio(ratio, numerator, denominator):
+            # Recomputed here from the raw rates it reports.
+            per_repeat = [
+                a / b for a, b in zip(rates[numerator], rates[denominator])
+            ]
+            self.assertAllClose(ratio["per_repeat"], per_repeat)
+            self.assertAllClose(ratio["median"], statistics.median(per_repeat))
+            self.assertAllClose(
+                ratio["interval"], median_interval(per_repeat)[:2]
+            )
+
         for r in report["results"]:
-            self.assertCountEqual(r["samples_per_second"], contenders)
+            self.assertCountEqual(
+                r["samples_per_second"], contenders + ["split"]
+            )
             for rates in r["samples_per_second"].values():
                 self.assertNotEmpty(rates)
                 self.assertTrue(all(rate > 0 for rate in rates))
-            # Each ratio is recomputed here from the raw rates it reports.
             rates = r["samples_per_second"]
-            median_interval = _load_bench_fit().median_interval
             for reference in contenders[:1] + contenders[2:]:
-                ratio = r["ratios"][f"accum/{reference}"]
-                per_repeat = [
-                    a / b for a, b in zip(rates["accum"], rates[reference])
-                ]
-                self.assertAllClose(ratio["per_repeat"], per_repeat)
-                self.assertAllClose(
-                    ratio["median"], statistics.median(per_repeat)
+                check_ratio(
+                    r["ratios"][f"accum/{reference}"], "accum", reference
                 )
-                self.assertAllClose(
-                    ratio["interval"], median_interval(per_repeat)[:2]
+            # micro_batch_size=B at N*B: against accum and plain fit at N*B,
+            # with as many updates as plain fit at N*B, traced once.
+            for reference in ("accum", "plain_NB"):
+                check_ratio(
+                    r["ratios"][f"split/{reference}"], "split", reference
                 )
+            split = r["split"]
+            self.assertEqual(split["micro_batch_size"], r["micro_batch"])
+            self.assertEqual(
+                split["batch_size"], r["micro_batch"] * r["accum_steps"]
+            )
+            # The quick run's fits: 2N, N and N micro-batches' worth (two
+            # warm-ups, one repeat), one update per N of them, as accum.
+            self.assertEqual(split["updates"], 4)
+            self.assertBetween(split["traces"], 1, 2)
+            self.assertIn(
+                f"| {r['workload']} | adamw | "
+                f"{r['median_samples_per_second']['split']:.0f} | "
+                f"{r['ratios']['split/accum']['median']:.3f} [",
+                result.stdout,
+            )
             # One float32 copy of the weights, plus a few scalar counters.
             memory = r["memory"]
             self.assertBetween(memory["accumulator_over_parameters"], 1.0, 1.05)
@@ -238,33 +273,46 @@ class BenchMemoryTest(tf.test.TestCase):
             "bench_memory.py",
             "--quick",
             "--models=gpt2",
-            "--runs=plain_E,accum",
+            "--runs=plain_E,accum,split",
             "--jobs=2",
             f"--json={path}",
         )
         self.assertEqual(result.returncode, 0, result.stderr[-3000:])
         with open(path) as f:
             rows = {r["run"]: r for r in json.load(f)["rows"]}
-        self.assertCountEqual(rows, ["plain_E", "accum"])
+        self.assertCountEqual(rows, ["plain_E", "accum", "split"])
         for r in rows.values():
             self.assertGreater(r["peak_bytes"], r["weight_bytes"])
             self.assertGreater(r["samples_per_second"], 0)
         self.assertEqual(rows["plain_E"]["micro_batch"], 4)
         self.assertEqual(rows["accum"]["micro_batch"], 2)
-        # One update per window: the warm-up one and three measured ones,
-        # whose largest peak is the row's.
+        # micro_batch_size=2 at the whole batch: slices of 2, batches of 4.
+        self.assertEqual(rows["split"]["micro_batch"], 2)
+        self.assertEqual(rows["split"]["fit_batch"], 4)
+        # One update per window (per batch for split): the warm-up one and
+        # three measured ones, whose largest peak is the row's.
         self.assertEqual(rows["accum"]["updates"], 4)
+        self.assertEqual(rows["split"]["updates"], 4)
         for r in rows.values():
             self.assertLen(r["window_peak_bytes"], 3)
             self.assertEqual(r["peak_bytes"], max(r["window_peak_bytes"]))
+            # Token ids, padding mask and labels: 3 int32 per token.
+            self.assertEqual(r["input_bytes_per_sample"], 3 * 4 * 8)
         # The window: one float32 copy of the trainable weights, and a few
-        # counters.
-        extra = (
-            rows["accum"]["accumulator_bytes"]
-            - rows["accum"]["trainable_bytes"]
-        )
-        self.assertBetween(extra, 0, 1024)
+        # counters (also at accum_steps=1, for split).
+        for run in ("accum", "split"):
+            extra = (
+                rows[run]["accumulator_bytes"] - rows[run]["trainable_bytes"]
+            )
+            self.assertBetween(extra, 0, 1024)
         self.assertIn("| gpt2 | adamw | accum_2 | 2 |", result.stdout)
+        self.assertIn("| gpt2 | adamw | split_2 | 2 |", result.stdout)
+        # Side by side; without plain_B the model is not fitted: n/a.
+        self.assertRegex(
+            result.stdout,
+            r"\| gpt2 \| adamw \| 4 = 2 x 2 \| \d+ / n/a \| \d+ / n/a \| "
+            r"\d+ / n/a \| -?\d+ / n/a \|",
+        )
 
     def test_memory_model_by_hand(self):
         # Plain at 8 and 2 samples: 600 and 300 bytes over the static ones,
@@ -305,7 +353,7 @@ class BenchMemoryTest(tf.test.TestCase):
         sparse = dict(model="s", sparse_gradient_bytes=40)
         xla = dict(model="x", jit_compile="true")
         rows = [
-            row("plain_E", 8, 1, 3700),
+            row("plain_E", 8, 1, 3700, input_bytes_per_sample=5),
             row("plain_B", 2, 1, 3400),
             row("accum", 2, 4, 3410, 100),
             row("builtin", 2, 4, 3600, 100),
@@ -322,6 +370,13 @@ class BenchMemoryTest(tf.test.TestCase):
             row("plain_E", 8, 1, 3620, **xla),
             row("plain_B", 2, 1, 3380, **xla),
             row("accum", 2, 4, 3550, 100, **xla),
+            # micro_batch_size=2 at 8: AccumModel's bytes, its loop's float32
+            # gradient sums (4 bytes for each of the 25 parameters) and the
+            # batch's inputs, 8 * 5 bytes: 3400 + 100 + 40 = 3540; under
+            # XLA, 3480 + 100 = 3580. Unknown inputs: no prediction.
+            row("split", 2, 4, 3600, 100, input_bytes_per_sample=5),
+            row("split", 2, 4, 1500, 100, **sgd),
+            row("split", 2, 4, 3600, 100, input_bytes_per_sample=0, **xla),
         ]
         path = os.path.join(tempfile.mkdtemp(), "rows.json")
         with open(path, "w") as f:
@@ -348,6 +403,24 @@ class BenchMemoryTest(tf.test.TestCase):
         # Under XLA it holds its accumulators more: 100 / (40 * 3/4) = 3.3;
         # the built-in option 200 / 30 = 6.7.
         self.assertIn("| 3.3 (N=4) | 6.7 (N=4) |", result.stdout)
+        # micro_batch_size holds its gradient sums more than AccumModel and
+        # inputs that grow with E: 100 / (50 * 3/4 - 5) = 3.1; not known
+        # without the inputs' size.
+        self.assertIn("| 0.0 (N=4) | 5.3 (N=4) | 3.1 (N=4) |", result.stdout)
+        self.assertIn("| 2.7 (N=4) | 5.3 (N=4) | - |", result.stdout)
+        self.assertIn("| m | adamw | split_4 | 2 |", result.stdout)
+        self.assertIn("| -1.7% |", result.stdout)  # 3540 against 3600
+        self.assertIn("| -0.6% |", result.stdout)  # XLA: 3580 against 3600
+        # Side by side, in MiB (0 here), with the errors.
+        for line in (
+            "| m | adamw | 8 = 4 x 2 | 0 / fitted | 0 / 0 (-0.3%) | "
+            "0 / 0 (-1.7%) | 0 / 0 |",
+            "| m | sgd | 8 = 4 x 2 | 0 / fitted | 0 / 0 (-1.0%) | 0 / n/a | "
+            "0 / n/a |",
+            "| x | adamw | 8 = 4 x 2 | 0 / fitted | 0 / 0 (-2.0%) | "
+            "0 / 0 (-0.6%) | 0 / 0 |",
+        ):
+            self.assertIn(line, result.stdout)
 
 
 if __name__ == "__main__":
