@@ -55,9 +55,9 @@ class AutoTrainFunction:
         self._model = model
         self._size = None
         self._step = None
-        self._written = None
-        self._read_written = None
-        self._read_committed = None
+        self._written = []
+        self._committed = []
+        self._read = None
 
     def __call__(self, iterator):
         logs = None
@@ -88,13 +88,12 @@ class AutoTrainFunction:
             step = self._step_of(size, data)
             # Reads share the variables' buffers: nothing is copied unless
             # the attempt writes them.
-            before = self._read_written()
-            committed = self._read_committed()
+            before, committed = self._read()
             try:
                 logs = step(data)
                 break
             except tf.errors.ResourceExhaustedError as error:
-                if _values(self._read_committed()) != _values(committed):
+                if _values(self._read()[1]) != _values(committed):
                     raise out_of_memory(
                         error,
                         "The update itself ran out of memory after every "
@@ -137,19 +136,18 @@ class AutoTrainFunction:
         if size != self._size:
             self._size = size
             self._step = ADAPTER.step_on_data(model)
-        if not model.run_eagerly:
-            # Traced now, not in the first attempt: the trace creates what
-            # Keras builds lazily (the compiled metrics' variables), which
-            # an attempt that fails must find in the list it restores.
-            self._step.get_concrete_function(data)
-        if self._written is None or len(self._written) != len(
-            self._variables()
-        ):
+            if not model.run_eagerly:
+                # Traced now, not in the first attempt: the trace creates
+                # what Keras builds lazily (the compiled metrics' variables),
+                # which an attempt that fails must find among those it puts
+                # back.
+                self._step.get_concrete_function(data)
             self._prepare()
         return self._step
 
-    def _variables(self):
-        """What an attempt may write before it fails in its slices."""
+    def _prepare(self):
+        """Finds what an attempt may write before it fails in its slices,
+        and what shows that it got past them."""
         model = self._model
         state = model.gradient_accumulator.state
         small = [
@@ -157,31 +155,24 @@ class AutoTrainFunction:
             for name in state.names()
             if not name.startswith(_ACCUMULATORS)
         ]
-        return _unique(
+        self._written = _unique(
             list(model.non_trainable_variables)
             + ADAPTER.metric_variables(model)
             + small
         )
+        self._committed = [state.get(name) for name in _COMMITTED]
+        self._committed.append(model.optimizer.iterations)
+        written, committed = self._written, self._committed
 
-    def _prepare(self):
-        """Finds what an attempt may write, and what shows it committed."""
-        model = self._model
-        state = model.gradient_accumulator.state
-        self._written = self._variables()
-        committed = [state.get(name) for name in _COMMITTED]
-        committed.append(model.optimizer.iterations)
-        self._read_written = _reader(self._written)
-        self._read_committed = _reader(committed)
+        # One call a step: the values of both lists.
+        @tf.function(autograph=False)
+        def read():
+            return (
+                [tf.identity(v) for v in written],
+                [tf.identity(v) for v in committed],
+            )
 
-
-def _reader(variables):
-    """A function returning the values of `variables` (compiled: one call)."""
-
-    @tf.function(autograph=False)
-    def read():
-        return [tf.identity(v) for v in variables]
-
-    return read if variables else (lambda: [])
+        self._read = read
 
 
 def _values(tensors):

@@ -191,10 +191,12 @@ def _fit(strategy, case):
             model = tu.mlp(_plain_model_class(), seed=case.get("seed", 0))
         elif case.get("split"):
             # Each replica splits its shard of the whole global batch.
+            # The noise scale changes no update; it shows the slices.
             model = tu.mlp(
                 AccumModel,
                 seed=case.get("seed", 0),
                 micro_batch_size=case["split"],
+                noise_scale=True,
             )
         else:
             model = tu.mlp(
@@ -234,6 +236,10 @@ def _fit(strategy, case):
         extra["skipped_microbatches"] = model.skipped_microbatches
     if case.get("nan"):
         extra["discarded_windows"] = model.discarded_windows
+    if case.get("split"):
+        extra["measurements"] = (
+            model.gradient_accumulator.noise_scale.measurements
+        )
     return {
         **extra,
         "replicas": replicas,

@@ -374,6 +374,10 @@ class _DistributeTestBase(tf.test.TestCase, parameterized.TestCase):
         history, expected = _reference(result, case)
         tu.assert_same_trajectory(self, expected, self._actual(result))
         self.assertEqual(result["iterations"], len(expected))
+        if case.get("split"):
+            # Each replica split its 6 rows into 4 + 2: every batch but the
+            # last (1 row, and none) measured, in both epochs.
+            self.assertEqual(result["measurements"], 2 * (case["n"] // 12))
         if case.get("validation"):
             # Even shards: the replicas' mean of per-replica loss means is
             # the global per-sample mean, as single-device fit logs it.

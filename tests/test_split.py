@@ -106,8 +106,16 @@ class SplitFitTest(parameterized.TestCase):
     def test_numpy(self, size):
         x, y = tu.classification_data(ROWS, in_dim=6)
         plain = _fit(_classifier(keras.Model), x, y)
-        split = _fit(_classifier(AccumModel, micro_batch_size=size), x, y)
+        # The noise scale changes no update; it shows the slices: a batch
+        # measures when it held two or more.
+        model = _classifier(AccumModel, micro_batch_size=size, noise_scale=True)
+        split = _fit(model, x, y)
         self.assert_like_plain(plain, split)
+        batches = [BATCH] * (ROWS // BATCH) + [ROWS % BATCH]
+        measured = 2 * sum(-(-b // size) >= 2 for b in batches)
+        self.assertEqual(
+            model.gradient_accumulator.noise_scale.measurements, measured
+        )
 
     @parameterized.named_parameters(
         ("unknown_length", _unknown_length), ("generator", _generator)
@@ -256,6 +264,35 @@ class SplitFitTest(parameterized.TestCase):
         self.assertEqual(model.micro_batch_size, 7)
         split = _fit(model, x, y)
         self.assert_like_plain(plain, split)
+
+
+class BatchnormTest(parameterized.TestCase):
+    def test_moving_statistics_of_the_whole_batch(self):
+        # At learning rate 0 the weights stay, so plain BatchNormalization at
+        # the whole batch is the truth for the moving statistics: moved once
+        # per batch, from the batch's moments.
+        if tu.TF_KERAS:
+            self.skipTest("AccumBatchNormalization needs Keras 3.")
+        x, y = tu.classification_data(ROWS, in_dim=6)
+
+        def make(cls, bn, **kwargs):
+            keras.utils.set_random_seed(0)
+            inputs = keras.Input((6,))
+            h = keras.layers.Dense(8)(inputs)
+            h = bn(momentum=0.5)(h)
+            outputs = keras.layers.Dense(3)(h)
+            return cls(inputs, outputs, **kwargs)
+
+        plain = make(keras.Model, keras.layers.BatchNormalization)
+        split = make(
+            AccumModel, accum_model.AccumBatchNormalization, micro_batch_size=7
+        )
+        for model in (plain, split):
+            _fit(model, x, y, optimizer=keras.optimizers.SGD(0.0))
+        for a, b in zip(
+            plain.non_trainable_weights, split.non_trainable_weights
+        ):
+            np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-5)
 
 
 class SplitWindowTest(parameterized.TestCase):
