@@ -66,6 +66,11 @@ _FIT_CASES = {
     "momentum_split_empty_shard": dict(
         optimizer="momentum", n=25, micro=2, steps=3, split=4
     ),
+    # `"auto"` takes each batch itself (eagerly, from the distributed
+    # iterator) and runs it in one slice per replica: nothing limits memory.
+    "momentum_auto": dict(
+        optimizer="momentum", n=25, micro=2, steps=3, split="auto"
+    ),
 }
 # mixed_float16: sample 6 is 1e6, beyond float16's range. With global
 # micro-batches of 2*2 samples it is in micro-batch 1, and in replica 1's
@@ -374,10 +379,14 @@ class _DistributeTestBase(tf.test.TestCase, parameterized.TestCase):
         history, expected = _reference(result, case)
         tu.assert_same_trajectory(self, expected, self._actual(result))
         self.assertEqual(result["iterations"], len(expected))
-        if case.get("split"):
+        if case.get("split") == 4:
             # Each replica split its 6 rows into 4 + 2: every batch but the
             # last (1 row, and none) measured, in both epochs.
             self.assertEqual(result["measurements"], 2 * (case["n"] // 12))
+        elif case.get("split") == "auto":
+            # Each replica's whole shard, one slice: nothing to measure.
+            self.assertEqual(result["measurements"], 0)
+            self.assertEqual(result["history"]["micro_batch_size"][-1], 6.0)
         if case.get("validation"):
             # Even shards: the replicas' mean of per-replica loss means is
             # the global per-sample mean, as single-device fit logs it.
