@@ -161,6 +161,59 @@ class SplitFitTest(parameterized.TestCase):
         split = _fit(_classifier(AccumModel, micro_batch_size=5), dataset)
         self.assert_like_plain(plain, split)
 
+    def test_sparse_inputs(self):
+        x, y = tu.classification_data(ROWS, in_dim=6)
+        x[x < 0.3] = 0.0
+
+        def model(cls, **kwargs):
+            keras.utils.set_random_seed(0)
+            inputs = keras.Input((6,), sparse=True)
+            return cls(inputs, keras.layers.Dense(3)(inputs), **kwargs)
+
+        def dataset():
+            return tf.data.Dataset.from_tensor_slices(
+                (tf.sparse.from_dense(x), y)
+            ).batch(BATCH)
+
+        plain = _fit(model(keras.Model), dataset())
+        split_model = model(AccumModel, micro_batch_size=7, noise_scale=True)
+        split = _fit(split_model, dataset())
+        self.assert_like_plain(plain, split)
+        # 3 batches of 32 an epoch in slices, the batch of 4 in one.
+        self.assertEqual(
+            split_model.gradient_accumulator.noise_scale.measurements, 6
+        )
+
+    def test_ragged_inputs_of_a_subclassed_model(self):
+        rng = np.random.default_rng(0)
+        rows = [
+            rng.normal(size=(rng.integers(1, 5), 3)).astype("float32")
+            for _ in range(40)
+        ]
+        x = tf.ragged.constant(rows, ragged_rank=1)
+        y = rng.integers(0, 3, 40).astype("int32")
+
+        def model(base, **kwargs):
+            class Mean(base):
+                def __init__(self, **kw):
+                    super().__init__(**kw)
+                    self.dense = keras.layers.Dense(3)
+
+                def call(self, inputs):
+                    return self.dense(tf.reduce_mean(inputs, axis=1))
+
+            keras.utils.set_random_seed(0)
+            m = Mean(**kwargs)
+            m(x[:2])
+            return m
+
+        def dataset():
+            return tf.data.Dataset.from_tensor_slices((x, y)).batch(8)
+
+        plain = _fit(model(keras.Model), dataset())
+        split = _fit(model(AccumModel, micro_batch_size=3), dataset())
+        self.assert_like_plain(plain, split)
+
     @parameterized.named_parameters(
         ("jit_compile", dict(jit_compile=True)),
         ("steps_per_execution", dict(steps_per_execution=3)),
@@ -221,6 +274,57 @@ class SplitFitTest(parameterized.TestCase):
         tu.assert_same_trajectory(self, weights, split_weights)
         # One callback batch per batch of 32: 3 an epoch.
         self.assertEqual(split_batches, 6)
+
+    def test_saved_mid_window_continues(self):
+        # Windows of two split batches; saved after the first batch of the
+        # second epoch (a window open), loaded into a new model, continued:
+        # the uninterrupted run's weights.
+        x, y = tu.classification_data(96, in_dim=6)
+
+        def make():
+            model = _classifier(AccumModel, micro_batch_size=7, accum_steps=2)
+            model.compile(
+                optimizer=tu.OPTIMIZERS["momentum"](),
+                loss=keras.losses.SparseCategoricalCrossentropy(
+                    from_logits=True
+                ),
+            )
+            return model
+
+        def fit(model, rows, epochs=1):
+            model.fit(
+                x[rows],
+                y[rows],
+                batch_size=BATCH,
+                epochs=epochs,
+                shuffle=False,
+                verbose=0,
+            )
+
+        first, rest = slice(0, BATCH), slice(BATCH, 96)
+        uninterrupted = make()
+        fit(uninterrupted, slice(0, 96))
+        uninterrupted.epoch_end = "carry"
+        fit(uninterrupted, first)
+        fit(uninterrupted, rest)
+
+        model = make()
+        fit(model, slice(0, 96))
+        model.epoch_end = "carry"
+        fit(model, first)
+        self.assertEqual(int(model.gradient_accumulator.micro_step), 1)
+        path = self.create_tempdir().full_path + "/mid_window.keras"
+        model.save(path)
+        restored = keras.models.load_model(path)
+        self.assertEqual(restored.micro_batch_size, 7)
+        self.assertEqual(int(restored.gradient_accumulator.micro_step), 1)
+        fit(restored, rest)
+        self.assertLessEqual(
+            tu.max_abs_diff(
+                uninterrupted.get_weights(), restored.get_weights()
+            ),
+            1e-6,
+        )
 
     def test_mixed_float16(self):
         tu.use_policy(self, "mixed_float16")
