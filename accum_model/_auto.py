@@ -23,6 +23,7 @@ change only after the loop; an error there (the update itself does not
 fit, whatever the slices) ends `fit` with the error instead of a retry.
 """
 
+import contextlib
 import logging
 import warnings
 
@@ -206,8 +207,23 @@ def out_of_memory(error, message):
     )
 
 
-def what_to_set(micro_batch_size):
-    """What an out-of-memory error in `fit` tells a model without "auto"."""
+@contextlib.contextmanager
+def saying_what_to_set(model):
+    """Adds to an out-of-memory error in `fit` what to set, without "auto".
+
+    With `"auto"` the error passes as it is: it says what was tried.
+    """
+    try:
+        yield
+    except tf.errors.ResourceExhaustedError as error:
+        if model._micro_batch_setting == "auto":
+            raise
+        raise out_of_memory(
+            error, _what_to_set(model.micro_batch_size)
+        ) from error
+
+
+def _what_to_set(micro_batch_size):
     if micro_batch_size is None:
         return (
             'A training step ran out of memory. Set micro_batch_size="auto" '

@@ -271,7 +271,7 @@ class AccumModel(
     def train_step(self, data):
         # Seen when `fit` traces the step: it goes through the window.
         self._accum_state.traced_through_window()
-        if self._slice_rows() is not None:
+        if self.micro_batch_size not in (None, "auto"):
             return self._split_train_step(data)
         x, y, sample_weight = ADAPTER.unpack(data)
         scaling = ADAPTER.is_loss_scale_optimizer(self.optimizer)
@@ -319,15 +319,7 @@ class AccumModel(
             warnings.warn("The model does not have any trainable weights.")
 
         metrics = ADAPTER.compute_metrics(self, x, y, y_pred, sample_weight)
-        logs = ADAPTER.train_logs(self, metrics, logs)
-        # Its own train step, so it reshapes its logs itself (see
-        # `MultiWorkerFitWorkarounds`).
-        return ADAPTER.logs_for_replica_reduction(self, logs)
-
-    def _slice_rows(self):
-        """The rows of a slice the traced step splits batches into, or None."""
-        size = self.micro_batch_size
-        return None if size == "auto" else size
+        return _step_logs(self, metrics, logs)
 
     def _split_train_step(self, data):
         """`train_step` for a batch split into slices (`_split`)."""
@@ -340,7 +332,7 @@ class AccumModel(
         batch = _split.run_slices(
             self,
             data,
-            self._slice_rows(),
+            self.micro_batch_size,
             accumulator.updated_variables,
             scale=ADAPTER.loss_scale(self.optimizer) if scaling else None,
             measure=accumulator.noise_scale is not None,
@@ -357,9 +349,9 @@ class AccumModel(
             weight_in_loss=True,
             noise_statistics=batch.noise_statistics,
         )
-        logs = _window_logs(accumulator, scaling)
-        logs = ADAPTER.train_logs(self, self.get_metrics_result(), logs)
-        return ADAPTER.logs_for_replica_reduction(self, logs)
+        return _step_logs(
+            self, self.get_metrics_result(), _window_logs(accumulator, scaling)
+        )
 
     def make_train_function(self, force=False):
         # At every `fit` (and for every front end built on this class),
@@ -422,14 +414,8 @@ class AccumModel(
         args, kwargs = _epoch_end.with_flush_callback(
             self, self._accum_state, next_fit, args, kwargs
         )
-        try:
+        with _auto.saying_what_to_set(self):
             return next_fit(*args, **kwargs)
-        except tf.errors.ResourceExhaustedError as error:
-            if self._micro_batch_setting == "auto":
-                raise  # It says what it tried.
-            raise _auto.out_of_memory(
-                error, _auto.what_to_set(self.micro_batch_size)
-            ) from error
 
 
 AccumModel = ADAPTER.register_serializable(AccumModel)
@@ -438,6 +424,13 @@ AccumModel = ADAPTER.register_serializable(AccumModel)
 def training_state(model):
     """The `ModelEngine` of an `AccumModel` (for `save_plain`)."""
     return model._accum_state
+
+
+def _step_logs(model, metrics, window_logs):
+    # Its own train step, so it reshapes its logs itself (see
+    # `MultiWorkerFitWorkarounds`).
+    logs = ADAPTER.train_logs(model, metrics, window_logs)
+    return ADAPTER.logs_for_replica_reduction(model, logs)
 
 
 def _window_logs(accumulator, scaling):

@@ -127,6 +127,7 @@ PRIVATE_NAMES = {
         "_micro_batch_setting": _MICRO_BATCH_SETTING,
     },
     "_auto.py": {
+        "_micro_batch_setting": _MICRO_BATCH_SETTING,
         "_micro_batch_chosen": 'the slice size `"auto"` chose, which the '
         "model keeps for later `fit` calls (`AccumSettings` reads it in "
         "`micro_batch_size`); the train function sets it, also while it "
