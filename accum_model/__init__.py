@@ -1,7 +1,9 @@
 """Gradient accumulation for Keras models, exactly equal to large batches.
 
 The modules, in the order a micro-batch meets them: `_model` (`AccumModel`'s
-`train_step`: forward pass, loss, and the weight from `_normalizers`), then
+`train_step`: forward pass, loss, and the weight from `_normalizers`; a
+batch split into slices by `micro_batch_size` runs them in `_split`'s loop,
+and `"auto"` through `_auto`'s train function), then
 `_accumulator` (`GradientAccumulator`, the engine, its state declared in
 `_state`): the micro-batch into the window (`_contribution`), then the
 window out through the optimizer (`_close`); with the rules of
