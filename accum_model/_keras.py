@@ -258,6 +258,10 @@ class _Keras3Adapter:
     def compute_metrics(self, model, x, y, y_pred, sample_weight):
         return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
+    def update_metrics(self, model, x, y, y_pred, sample_weight):
+        """Updates the compiled metrics with a slice, reading no result."""
+        model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
     def metric_variables(self, model):
         return list(model.metrics_variables)
 
@@ -591,6 +595,12 @@ class _TfKerasAdapter(_Keras3Adapter):
 
     def track_loss(self, model, loss, batch_size):
         del model, loss, batch_size  # tf_keras' compiled loss tracks itself.
+
+    def update_metrics(self, model, x, y, y_pred, sample_weight):
+        # What tf_keras' own `compute_metrics` does before it reads the
+        # results: a read is a cross-replica reduction under a strategy,
+        # which a slice's loop may not hold.
+        model.compiled_metrics.update_state(y, y_pred, sample_weight)
 
     def metric_variables(self, model):
         return [v for metric in model.metrics for v in metric.variables]

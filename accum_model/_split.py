@@ -96,7 +96,7 @@ def run_slices(
                 weight if scale is None else scale, objective.dtype
             )
         grads = tape.gradient(objective, variables)
-        ADAPTER.compute_metrics(model, px, py, y_pred, psw)
+        ADAPTER.update_metrics(model, px, py, y_pred, psw)
         for i, g in enumerate(grads):
             received[i] = received[i] or g is not None
         contributions = _contribution.in_float32(
