@@ -24,7 +24,6 @@ fit, whatever the slices) ends `fit` with the error instead of a retry.
 """
 
 import contextlib
-import logging
 import warnings
 
 import tensorflow as tf
@@ -33,7 +32,6 @@ from accum_model import _keras
 from accum_model import _normalizers
 
 ADAPTER = _keras.ADAPTER
-logger = logging.getLogger("accum_model")
 
 # The engine's counters that every batch's contribution writes: changed by
 # a failed attempt, they show that it failed after its slices ran.
@@ -43,6 +41,8 @@ _COMMITTED = (
     "engine/discarded_windows",
 )
 _ACCUMULATORS = "accumulator/"
+# How the errors this train function raises begin.
+_OURS = 'micro_batch_size="auto": '
 
 
 class AutoTrainFunction:
@@ -83,8 +83,11 @@ class AutoTrainFunction:
                 the update after the slices ran out of memory.
         """
         model = self._model
-        settled = model._micro_batch_chosen is not None
-        size = model._micro_batch_chosen or _rows_per_replica(model, data)
+        rows = _rows_per_replica(model, data)
+        size = model._micro_batch_chosen or rows
+        if not model._micro_batch_capped:
+            # No out-of-memory error yet: batches run whole.
+            size = max(size, rows)
         while True:
             step = self._step_of(size, data)
             # Reads share the variables' buffers: nothing is copied unless
@@ -97,34 +100,28 @@ class AutoTrainFunction:
                 if _values(self._read()[1]) != _values(committed):
                     raise out_of_memory(
                         error,
-                        "The update itself ran out of memory after every "
-                        f"slice of {size} rows had run: smaller slices "
+                        f"{_OURS}the update itself ran out of memory after "
+                        f"every slice of {size} rows had run: smaller slices "
                         "cannot help. Free memory on the device, or make "
                         "the model or its optimizer state smaller.",
                     ) from error
                 if size == 1:
                     raise out_of_memory(
                         error,
-                        'micro_batch_size="auto": even a slice of one row '
-                        "does not fit on this device.",
+                        f"{_OURS}even a slice of one row does not fit on "
+                        "this device.",
                     ) from error
                 for v, value in zip(self._written, before):
                     v.assign(value)
                 smaller = size // 2
-                if settled:
-                    warnings.warn(
-                        'micro_batch_size="auto": a batch ran out of memory '
-                        f"in slices of {size} rows; it runs again, and "
-                        f"training goes on, in slices of {smaller}.",
-                        stacklevel=3,
-                    )
+                warnings.warn(
+                    f'micro_batch_size="auto": a batch of {rows} rows ran '
+                    f"out of memory in slices of {size} rows; it runs "
+                    f"again, and training goes on, in slices of {smaller}.",
+                    stacklevel=3,
+                )
                 size = smaller
-        if not settled:
-            logger.info(
-                'micro_batch_size="auto" chose %d rows per slice (per '
-                "replica): the largest that ran on this device.",
-                size,
-            )
+                model._micro_batch_capped = True
         logs = dict(logs)
         logs["micro_batch_size"] = tf.constant(float(size), tf.float32)
         return logs
@@ -209,18 +206,27 @@ def out_of_memory(error, message):
 
 @contextlib.contextmanager
 def saying_what_to_set(model):
-    """Adds to an out-of-memory error in `fit` what to set, without "auto".
+    """Adds to an out-of-memory error in `fit` what to set.
 
-    With `"auto"` the error passes as it is: it says what was tried.
+    One from `"auto"`'s train function passes as it is: it says what was
+    tried.
     """
     try:
         yield
     except tf.errors.ResourceExhaustedError as error:
-        if model._micro_batch_setting == "auto":
+        if error.message.startswith(_OURS):
             raise
-        raise out_of_memory(
-            error, _what_to_set(model.micro_batch_size)
-        ) from error
+        if model._micro_batch_setting == "auto":
+            advice = (
+                'micro_batch_size="auto" splits the training steps only: '
+                "validation, `evaluate` and `predict` run at their own batch "
+                "size. Pass a `validation_batch_size` that fits (and a "
+                "`batch_size` to `evaluate` and `predict`), such as the "
+                f"model's micro_batch_size ({model.micro_batch_size})."
+            )
+        else:
+            advice = _what_to_set(model.micro_batch_size)
+        raise out_of_memory(error, advice) from error
 
 
 def _what_to_set(micro_batch_size):

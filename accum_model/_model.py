@@ -323,9 +323,17 @@ class AccumModel(
 
     def _split_train_step(self, data):
         """`train_step` for a batch split into slices (`_split`)."""
-        # Built eagerly before the trace (`make_train_function`): the
-        # slices' forward passes run inside a loop, where no layer may
-        # create its weights.
+        # Built eagerly before the trace (`make_train_function`) when the
+        # model is: the slices' forward passes run inside a loop, where no
+        # layer may create its weights. A model built lazily (a Sequential
+        # without an `Input`, a subclassed model) is built here by a
+        # forward pass of one row, in inference mode so that it moves no
+        # statistic.
+        if not all(
+            layer.built for layer in ADAPTER.layers(self, include_self=True)
+        ):
+            x, _, _ = ADAPTER.unpack(data)
+            self(tf.nest.map_structure(lambda t: t[:1], x), training=False)
         accumulator = self._accum_state.build()
         scaling = ADAPTER.is_loss_scale_optimizer(self.optimizer)
         x, y, _ = ADAPTER.unpack(data)

@@ -128,6 +128,9 @@ PRIVATE_NAMES = {
     },
     "_auto.py": {
         "_micro_batch_setting": _MICRO_BATCH_SETTING,
+        "_micro_batch_capped": "whether an out-of-memory error capped the "
+        'slice size `"auto"` runs with (kept by the model, set by its '
+        "train function)",
         "_micro_batch_chosen": 'the slice size `"auto"` chose, which the '
         "model keeps for later `fit` calls (`AccumSettings` reads it in "
         "`micro_batch_size`); the train function sets it, also while it "

@@ -31,8 +31,11 @@ class AccumSettings:
         self._noise_scale = noise_scale
         self._adascale = adascale
         self._micro_batch_setting = micro_batch_size
-        # What `"auto"` chose (`_auto`), kept for later `fit` calls.
+        # The slice size `"auto"` runs with (`_auto`), kept for later `fit`
+        # calls, and whether an out-of-memory error capped it (until then
+        # it grows with the batches).
         self._micro_batch_chosen = None
+        self._micro_batch_capped = False
 
     def _set_measurement(self, noise_scale, adascale):
         """Sets `noise_scale` and `adascale` together, checked as a pair.
@@ -79,8 +82,10 @@ class AccumSettings:
         Set to an int `m`, `fit(batch_size=E)` splits each batch inside the
         training step into slices of at most `m` rows and applies the
         batch's update once (docs/micro_batch.md). Set to `"auto"`, it reads
-        `"auto"` until the first batch chose a size, then that int. A new
-        value takes effect at the next `fit` (the step is traced again).
+        `"auto"` until a batch ran, then the int it runs with: the largest
+        batch (per replica) that ran whole, until an out-of-memory error
+        halves it; from then on it never grows. A new value takes effect at
+        the next `fit` (the step is traced again).
         """
         if self._micro_batch_setting == "auto":
             return self._micro_batch_chosen or "auto"
@@ -93,6 +98,7 @@ class AccumSettings:
             return
         self._micro_batch_setting = value
         self._micro_batch_chosen = None
+        self._micro_batch_capped = False
         # The slice size is part of the traced step.
         self.train_function = None
 

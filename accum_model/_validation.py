@@ -47,6 +47,12 @@ def check_integer(name, value, minimum):
 
 def check_accum_steps(accum_steps):
     """Returns `accum_steps` as a Python int, or raises `ValueError`."""
+    if isinstance(accum_steps, str) and accum_steps == "auto":
+        raise ValueError(
+            "`accum_steps` must be an integer >= 1; to let the model find "
+            'the slice that fits, pass micro_batch_size="auto". Received: '
+            "accum_steps='auto'"
+        )
     return check_integer("accum_steps", accum_steps, 1)
 
 

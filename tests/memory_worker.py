@@ -7,12 +7,14 @@ limit raises a real `tf.errors.ResourceExhaustedError`.
 
     python tests/memory_worker.py OUT_DIR RUN [RUN ...]
 
-Each RUN is `NAME=MODE:LENGTHS[:extras]`, trained in turn in this process:
+Each RUN is `NAME=MODE:LENGTHS[:extras][:validation]`, trained in turn in
+this process:
 MODE `plain` (a `keras.Model`), `auto`, an int (`micro_batch_size`),
 ints joined by `/` (`micro_batch_size` per batch, one `fit` each), or
 `accum` (`accum_steps=2` at the whole batch); LENGTHS the sequence length
 of each batch (`8,8,64,64`); `extras` adds Dropout,
-`AccumBatchNormalization` (Keras 3) and the noise scale. Writes
+`AccumBatchNormalization` (Keras 3) and the noise scale; `validation`
+validates on a batch of 128 steps at the whole batch size. Writes
 `OUT_DIR/NAME.npz`: the weights, and `result` (JSON): the optimizer's
 iterations, the loss history, the size each batch ran with, the noise
 scale, the peak memory, the warnings about `micro_batch_size`, and the
@@ -96,7 +98,7 @@ class _SizesRun(keras.callbacks.Callback):
             self.sizes.append(int(logs["micro_batch_size"]))
 
 
-def train(mode, lengths, extras):
+def train(mode, lengths, extras, validation=False):
     """Trains one run; returns `(result, weights)`."""
     batches = data(lengths)
     batch_size = BATCH
@@ -127,6 +129,9 @@ def train(mode, lengths, extras):
                     epochs=1,
                     verbose=0,
                     callbacks=[sizes_run],
+                    validation_data=(
+                        dataset(data([128]), batch_size) if validation else None
+                    ),
                 )
                 for k, vs in history.history.items():
                     result["history"].setdefault(k, []).extend(
@@ -152,9 +157,11 @@ def main(argv):
     out = argv[1]
     for spec in argv[2:]:
         name, rest = spec.split("=", 1)
-        mode, lengths, *extras = rest.split(":")
+        mode, lengths, *options = rest.split(":")
         lengths = [int(n) for n in lengths.split(",")]
-        result, weights = train(mode, lengths, extras == ["extras"])
+        result, weights = train(
+            mode, lengths, "extras" in options, "validation" in options
+        )
         np.savez(
             os.path.join(out, f"{name}.npz"),
             result=json.dumps(result),

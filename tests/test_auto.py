@@ -10,6 +10,7 @@ per batch to the sizes the run under the limit used.
 """
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -38,6 +39,9 @@ _RUNS = {
     "extras": "auto:8,64:extras",
     "int": "200:64",
     "accum_steps": "accum:64",
+    # Batches of 8 steps train whole; validation at 256 rows of 128 steps
+    # does not fit, and "auto" splits training steps only.
+    "validation": "auto:8:validation",
 }
 
 
@@ -93,12 +97,12 @@ class AutoUnderLimitTest(parameterized.TestCase):
         # The first attempt is the whole batch: it did not fit.
         first, second = result["sizes"]
         self.assertLess(first, memory_worker.BATCH)
-        # Training had chosen `first`: the longer batch halved it, warned,
-        # and ran again.
+        # Training had chosen `first`: the longer batch halved it and ran
+        # again. Each halving warned.
         self.assertLess(second, first)
         self.assertEqual(result["micro_batch_size"], second)
-        self.assertLen(result["warnings"], 1)
-        self.assertIn("runs again", result["warnings"][0])
+        halvings = [w for w in result["warnings"] if "runs again" in w]
+        self.assertLen(halvings, round(math.log2(memory_worker.BATCH / second)))
         # One update per batch, as plain fit makes: nothing applied twice,
         # nothing lost.
         self.assertEqual(result["iterations"], 2)
@@ -124,6 +128,11 @@ class AutoUnderLimitTest(parameterized.TestCase):
         self.assert_same_training(run, reference)
         self.assertEqual(result["noise_scale"], reference[0]["noise_scale"])
         self.assertEqual(result["iterations"], 2)
+
+    def test_validation_out_of_memory_says_what_to_pass(self):
+        result, _ = self.results["validation"]
+        self.assertIn("validation_batch_size", result["error"])
+        self.assertIn("OOM when allocating", result["error"])
 
     @parameterized.named_parameters(
         ("int", "int", "Set a smaller micro_batch_size"),
@@ -159,6 +168,9 @@ class AutoTest(parameterized.TestCase):
         self.assertEqual(int(model.optimizer.iterations), 8)
         model.fit(x, y, batch_size=16, epochs=1, verbose=0)
         self.assertEqual(model.micro_batch_size, 16)
+        # No out-of-memory error capped it: a larger batch runs whole.
+        model.fit(x, y, batch_size=32, epochs=1, verbose=0)
+        self.assertEqual(model.micro_batch_size, 32)
 
 
 if __name__ == "__main__":

@@ -358,6 +358,40 @@ class SplitFitTest(parameterized.TestCase):
         # its samples, not its tokens (docs/micro_batch.md).
         self.assert_like_plain(plain, split, loss=not tu.TF_KERAS)
 
+    @parameterized.named_parameters(
+        ("sequential", "sequential"), ("subclassed", "subclassed")
+    )
+    def test_model_built_by_its_first_step(self, kind):
+        # No `Input`: the weights are created in the first traced step,
+        # which must not happen inside the slices' loop.
+        x, y = tu.classification_data(ROWS, in_dim=6)
+
+        def model(base, **kwargs):
+            keras.utils.set_random_seed(0)
+            if kind == "sequential":
+                m = keras.Sequential(
+                    [
+                        keras.layers.Dense(8, activation="tanh"),
+                        keras.layers.Dense(3),
+                    ]
+                )
+                return accum_model.accumulate(m, **kwargs) if kwargs else m
+
+            class Net(base):
+                def __init__(self, **kw):
+                    super().__init__(**kw)
+                    self.hidden = keras.layers.Dense(8, activation="tanh")
+                    self.out = keras.layers.Dense(3)
+
+                def call(self, inputs):
+                    return self.out(self.hidden(inputs))
+
+            return Net(**kwargs)
+
+        plain = _fit(model(keras.Model), x, y)
+        split = _fit(model(AccumModel, micro_batch_size=7), x, y)
+        self.assert_like_plain(plain, split)
+
     def test_accumulate_front_end(self):
         x, y = tu.classification_data(ROWS, in_dim=6)
         plain = _fit(_classifier(keras.Model), x, y)
@@ -499,6 +533,10 @@ class SettingTest(parameterized.TestCase):
         model.save(path)
         loaded = keras.models.load_model(path)
         self.assertEqual(loaded.micro_batch_size, 4)
+
+    def test_auto_given_as_accum_steps_points_to_micro_batch_size(self):
+        with self.assertRaisesRegex(ValueError, 'micro_batch_size="auto"'):
+            accum_model.accumulate(_classifier(keras.Model), "auto")
 
     def test_misspelled_keyword(self):
         with self.assertRaisesRegex(TypeError, "micro_batch_size"):
