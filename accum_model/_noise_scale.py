@@ -172,6 +172,23 @@ def combine_statistics(summed):
     )
 
 
+def microbatch_statistics(contributions, weight):
+    """What one micro-batch adds to its window's sums.
+
+    Args:
+        contributions: Its float32 `w_k g_k` (tensors, `IndexedSlices`,
+            `None`).
+        weight: Float32 scalar `w_k`.
+
+    Returns:
+        `(w_k |g_k|^2, 1.0)` as float32 scalars: `|w_k g_k|^2 / w_k`, and
+        the micro-batch counted; `(0.0, 0.0)` for one of weight 0 (an empty
+        shard), which holds no sample.
+    """
+    q = tf.math.divide_no_nan(squared_norm(contributions), weight)
+    return q, tf.cast(weight > 0.0, tf.float32)
+
+
 class NoiseScaleEstimator(tf.Module):
     """The state of the measurement: one window's sums and the averages.
 
@@ -240,13 +257,7 @@ class NoiseScaleEstimator(tf.Module):
         """
 
         def fn():
-            if statistics is None:
-                # w_k |g_k|^2 = |w_k g_k|^2 / w_k. A micro-batch of weight 0
-                # (an empty shard) holds no sample.
-                q = tf.math.divide_no_nan(squared_norm(contributions), weight)
-                n = tf.cast(weight > 0.0, tf.float32)
-            else:
-                q, n = statistics
+            q, n = statistics or microbatch_statistics(contributions, weight)
             self._q.assign_add(q)
             # After the data, as the window's counters (the norm reads it).
             with tf.control_dependencies([q]):

@@ -109,24 +109,18 @@ def run_slices(
         weight = tf.reduce_sum(weight)
         # A slice of no weight (an empty shard) has a 0/0 mean loss.
         weighted_loss = tf.where(weight > 0.0, weight * loss, 0.0)
-        norm = 0.0
+        statistics = (0.0, 0.0)
         if measure:
-            norm = tf.math.divide_no_nan(
-                _noise_scale.squared_norm(contributions), weight
+            statistics = _noise_scale.microbatch_statistics(
+                contributions, weight
             )
-        return contributions, weight, weighted_loss, norm
+        return contributions, weight, weighted_loss, statistics
 
     def add(sums, part):
-        contributions, weight, weighted_loss, norm = one_slice(part)
+        contributions, weight, weighted_loss, (q_k, n_k) = one_slice(part)
         grads, w, wl, q, n = sums
         grads = [_add(s, c) for s, c in zip(grads, contributions)]
-        return (
-            grads,
-            w + weight,
-            wl + weighted_loss,
-            q + norm,
-            n + tf.cast(weight > 0.0, tf.float32),
-        )
+        return grads, w + weight, wl + weighted_loss, q + q_k, n + n_k
 
     zero = tf.constant(0.0)
     sums = (
