@@ -16,7 +16,7 @@ def is_real(value):
     )
 
 
-def check_integer(name, value, minimum):
+def check_integer(name, value, minimum, or_else=""):
     """Returns `value` as a Python int if it is an integer >= `minimum`.
 
     Python and NumPy integers are accepted; bools (Python or NumPy), floats,
@@ -26,6 +26,8 @@ def check_integer(name, value, minimum):
         name: Str. The argument's name, for the message.
         value: The value to check.
         minimum: Int. The smallest value accepted.
+        or_else: Str. What else the argument takes, for the message
+            (`', "auto" or None'`).
 
     Returns:
         The value as a Python `int`.
@@ -39,7 +41,7 @@ def check_integer(name, value, minimum):
         or value < minimum
     ):
         raise ValueError(
-            f"`{name}` must be an integer >= {minimum}. "
+            f"`{name}` must be an integer >= {minimum}{or_else}. "
             f"Received: {name}={value!r}"
         )
     return int(value)
@@ -67,16 +69,9 @@ def check_micro_batch_size(micro_batch_size):
         isinstance(micro_batch_size, str) and micro_batch_size == "auto"
     ):
         return micro_batch_size
-    if (
-        not is_real(micro_batch_size)
-        or not isinstance(micro_batch_size, numbers.Integral)
-        or micro_batch_size < 1
-    ):
-        raise ValueError(
-            '`micro_batch_size` must be an integer >= 1, "auto" or None. '
-            f"Received: micro_batch_size={micro_batch_size!r}"
-        )
-    return int(micro_batch_size)
+    return check_integer(
+        "micro_batch_size", micro_batch_size, 1, or_else=', "auto" or None'
+    )
 
 
 def check_epoch_end(epoch_end):
