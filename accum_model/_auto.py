@@ -57,7 +57,6 @@ class AutoTrainFunction:
         self._size = None
         self._step = None
         self._written = []
-        self._committed = []
         self._read = None
 
     def __call__(self, iterator):
@@ -158,9 +157,9 @@ class AutoTrainFunction:
             + ADAPTER.metric_variables(model)
             + small
         )
-        self._committed = [state.get(name) for name in _COMMITTED]
-        self._committed.append(model.optimizer.iterations)
-        written, committed = self._written, self._committed
+        committed = [state.get(name) for name in _COMMITTED]
+        committed.append(model.optimizer.iterations)
+        written = self._written
 
         # One call a step: the values of both lists.
         @tf.function(autograph=False)

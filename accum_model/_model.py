@@ -329,14 +329,13 @@ class AccumModel(
         # without an `Input`, a subclassed model) is built here by a
         # forward pass of one row, in inference mode so that it moves no
         # statistic.
+        x, y, _ = ADAPTER.unpack(data)
         if not all(
             layer.built for layer in ADAPTER.layers(self, include_self=True)
         ):
-            x, _, _ = ADAPTER.unpack(data)
             self(tf.nest.map_structure(lambda t: t[:1], x), training=False)
         accumulator = self._accum_state.build()
         scaling = ADAPTER.is_loss_scale_optimizer(self.optimizer)
-        x, y, _ = ADAPTER.unpack(data)
         batch = _split.run_slices(
             self,
             data,
@@ -376,9 +375,9 @@ class AccumModel(
         # train function, with the same optimizer and `run_eagerly`) is stale
         # only when the train function is rebuilt (after `compile`, or
         # `force`), so it is kept across `fit` calls otherwise.
-        if force or self.train_function is None:
-            self._flush_function = None
         rebuilt = force or self.train_function is None
+        if rebuilt:
+            self._flush_function = None
         function = super().make_train_function(force=force)
         if rebuilt and self._micro_batch_setting == "auto":
             # Takes each batch itself, so that it can run it again.
