@@ -19,7 +19,7 @@ Its state is declared in `_state` (every variable by name); a micro-batch
 goes in through `_contribution` (weighting, loss-scale unscaling, the
 finite check, the additions) and a window out through `_close.close_window`,
 one function (the finite check, the mean, the noise scale, AdaScale's gain,
-the optimizer, the hooks) run by one conditional of `_control_flow`.
+the optimizer, the hooks) run by one conditional (`_close.close_if`).
 """
 
 import tensorflow as tf
@@ -250,6 +250,7 @@ class GradientAccumulator(tf.Module):
         jit_compile=None,
         weight_in_loss=False,
         noise_statistics=None,
+        compile_update=True,
     ):
         """Accumulates `grads` and applies the window when it is full.
 
@@ -266,12 +267,16 @@ class GradientAccumulator(tf.Module):
                 tf_keras), called once per window.
             grads, weight, is_finite, loss_scale, jit_compile,
             weight_in_loss, noise_statistics: As in `accumulate()`.
+            compile_update: Bool (default True): the window's update is
+                compiled with XLA apart in a graph XLA does not compile,
+                outside a strategy (docs/semantics.md); False: as Keras.
 
         Returns:
             A bool scalar tensor: whether this call closed a window.
 
         Raises:
-            ValueError: As `accumulate()`, and as `check_optimizer()`.
+            ValueError: As `accumulate()`, as `check_optimizer()`, and if
+                XLA cannot compile the update that `compile_update` asks for.
         """
         xla = _resolve_xla(jit_compile)
         # Before anything of the micro-batch runs.
@@ -287,7 +292,7 @@ class GradientAccumulator(tf.Module):
             noise_statistics=noise_statistics,
         )
         full = self._micro_step >= self._window_steps
-        return self._close_if(full, optimizer, xla)
+        return _close.close_if(self, full, optimizer, xla, compile_update)
 
     def accumulate(
         self,
@@ -365,7 +370,7 @@ class GradientAccumulator(tf.Module):
             noise_statistics=noise_statistics,
         )
 
-    def apply(self, optimizer, jit_compile=None):
+    def apply(self, optimizer, jit_compile=None, compile_update=True):
         """Applies the weighted mean of what was accumulated, then zeroes.
 
         A no-op when nothing was accumulated since the last apply.
@@ -373,36 +378,16 @@ class GradientAccumulator(tf.Module):
         Args:
             optimizer: The optimizer to apply the mean with.
             jit_compile: As in `accumulate()`.
+            compile_update: As in `step()`.
 
         Returns:
             A bool scalar tensor: whether a window was closed.
         """
         self.check_optimizer(optimizer)
-        return self._close_if(
-            self._micro_step > 0, optimizer, _resolve_xla(jit_compile)
+        xla = _resolve_xla(jit_compile)
+        return _close.close_if(
+            self, self._micro_step > 0, optimizer, xla, compile_update
         )
-
-    # Out of the window.
-
-    def _close_if(self, should_close, optimizer, xla):
-        """Closes the window (`_close.close_window`) if `should_close` holds.
-
-        Everything a close does happens inside the conditional, so a
-        micro-batch that does not close a window runs none of it.
-
-        Returns:
-            `should_close`.
-        """
-        _close.build_optimizer_in_cross_replica_context(
-            optimizer, self._variables
-        )
-        receiving = _close.receiving(self)
-        _control_flow.run_in_replicas_if(
-            should_close,
-            lambda: _close.close_window(self, optimizer, receiving, xla),
-            xla,
-        )
-        return should_close
 
 
 def _resolve_xla(jit_compile):

@@ -1,12 +1,13 @@
 """A window out of the engine: `close_window`, once per update.
 
 `GradientAccumulator` runs `close_window` in each replica when a window
-closes (one conditional, `_control_flow.run_in_replicas_if`): the finite
-check on every replica (`window_is_finite`), then, for a finite window that
-holds data, the mean (`inverse_weight`: the one all-reduce of the weight
-sum, which carries the noise scale's statistics, then AdaScale's gain),
-the optimizer's apply and the hooks; then the window ends. Under XLA every
-read of the accumulators goes through `_kept_in_loop`.
+closes (`close_if`: one conditional, `_control_flow.run_in_replicas_if`):
+the finite check on every replica (`window_is_finite`), then, for a finite
+window that holds data, the mean (`inverse_weight`: the one all-reduce of
+the weight sum, which carries the noise scale's statistics, then AdaScale's
+gain), the update (`update_function`: the mean and the optimizer's apply,
+compiled with XLA where it can be) and the hooks; then the window ends.
+Under XLA every read of the accumulators goes through `_kept_in_loop`.
 """
 
 import tensorflow as tf
@@ -18,7 +19,35 @@ from accum_model import _mixed_precision
 ADAPTER = _keras.ADAPTER
 
 
-def close_window(engine, optimizer, receiving, xla):
+def close_if(engine, should_close, optimizer, xla, compile_update):
+    """Closes `engine`'s window (`close_window`) if `should_close` holds.
+
+    Everything a close does happens inside the conditional, so a micro-batch
+    that does not close a window runs none of it.
+
+    Args:
+        engine: The `GradientAccumulator`.
+        should_close: Bool scalar tensor.
+        optimizer: The optimizer to apply the mean with.
+        xla: Bool, whether the graph is compiled by XLA.
+        compile_update: Bool, as `GradientAccumulator.step` takes it.
+
+    Returns:
+        `should_close`.
+    """
+    build_optimizer_in_cross_replica_context(optimizer, engine._variables)
+    update = update_function(
+        engine, optimizer, receiving(engine), xla, compile_update
+    )
+    _control_flow.run_in_replicas_if(
+        should_close,
+        lambda: close_window(engine, optimizer, update, xla),
+        xla,
+    )
+    return should_close
+
+
+def close_window(engine, optimizer, update, xla):
     """Closes `engine`'s open window, in replica context.
 
     A window whose micro-batches were all left out applies nothing; one
@@ -28,15 +57,16 @@ def close_window(engine, optimizer, receiving, xla):
 
     Args:
         engine: The `GradientAccumulator`.
-        optimizer: The optimizer to apply the mean with.
-        receiving: Per variable, whether it gets a gradient (`receiving`).
+        optimizer: The optimizer the window is applied with.
+        update: What `update_function` returned for them, or None when no
+            variable gets a gradient.
         xla: Bool, whether the graph is compiled by XLA.
     """
     has_data = engine._contributed > 0
     finite = window_is_finite(engine, xla)
     _control_flow.run_in_replicas_if(
         tf.logical_and(has_data, finite),
-        lambda: _apply_mean(engine, optimizer, receiving, xla),
+        lambda: _apply_mean(engine, optimizer, update, xla),
         xla,
     )
     discarded = tf.logical_and(has_data, tf.logical_not(finite))
@@ -44,23 +74,99 @@ def close_window(engine, optimizer, receiving, xla):
     engine._end_window(closed=True)
 
 
-def _apply_mean(engine, optimizer, receiving, xla):
+def _apply_mean(engine, optimizer, update, xla):
     inverse = inverse_weight(engine, optimizer, xla)
-    if not any(receiving):
-        # No step of this engine, nor the state it was restored from, has
-        # given a gradient: nothing was accumulated that could apply.
+    if update is None:
         return
-    grads = [
-        tf.cast(acc * inverse, v.dtype) if received else None
-        for acc, v, received in zip(
-            engine._accumulators, engine._variables, receiving
-        )
-    ]
-    # Unscaled and checked already: a LossScaleOptimizer's inner optimizer
-    # applies them.
-    ADAPTER.apply_gradients(optimizer, grads, engine._variables)
+    update(inverse)
     for hook in engine._apply_hooks:
         hook()
+
+
+def update_function(engine, optimizer, receiving, xla, compile_update):
+    """The window's update, `update(inverse)`: applies `acc * inverse`.
+
+    Compiled with XLA (one fused pass per variable, no temporaries) when
+    `compile_update` asks for it, the step is traced in a graph XLA does not
+    compile already, and no `tf.distribute` strategy is in scope. An
+    optimizer's apply is a dozen elementwise passes over every weight
+    (AdamW reads and writes its two moments and the weight several times
+    each), and the close runs it after the whole backward pass: nothing
+    hides it, since the finite check needs the last gradient. Eagerly each
+    close would compile anew, and under a strategy the apply updates every
+    replica's copy through the strategy: both run as Keras runs them.
+
+    Args:
+        engine: The `GradientAccumulator`.
+        optimizer: The optimizer to apply the mean with.
+        receiving: Per variable, whether it gets a gradient (`receiving`).
+        xla: Bool, whether the graph is compiled by XLA.
+        compile_update: Bool, as `GradientAccumulator.step` takes it.
+
+    Returns:
+        A callable of the float32 scalar `inverse_weight`, or None when no
+        step of the engine, nor the state it was restored from, has given a
+        gradient (nothing was accumulated that could apply).
+    """
+    if not any(receiving):
+        return None
+
+    # Named so that TensorFlow's errors and profiles name it.
+    def accum_model_window_update(inverse):
+        grads = [
+            tf.cast(acc * inverse, v.dtype) if received else None
+            for acc, v, received in zip(
+                engine._accumulators, engine._variables, receiving
+            )
+        ]
+        # Unscaled and checked already: a LossScaleOptimizer's inner
+        # optimizer applies them. In a scope: a function's root scope
+        # refuses names that start with "_", as an optimizer's may.
+        with tf.name_scope("update"):
+            ADAPTER.apply_gradients(optimizer, grads, engine._variables)
+
+    if (
+        compile_update
+        and not xla
+        and not tf.executing_eagerly()
+        and not tf.distribute.has_strategy()
+    ):
+        _check_xla_compiles(accum_model_window_update)
+        return tf.function(accum_model_window_update, jit_compile=True)
+    return accum_model_window_update
+
+
+def _check_xla_compiles(update):
+    """Raises, while the step is traced, if XLA cannot compile `update`.
+
+    An optimizer with an op XLA has no kernel for (a `tf.py_function`, a
+    string op) would otherwise fail at the first window's close, after its
+    micro-batches were added: the window left full, unapplied. Converted to
+    XLA's HLO here, outside the step's graph, nothing has run yet.
+
+    Raises:
+        ValueError: If XLA cannot compile it, saying what to set.
+    """
+    spec = tf.TensorSpec([], tf.float32)
+    with tf.init_scope():
+        function = tf.function(update, jit_compile=True)
+        function.get_concrete_function(spec)
+        try:
+            function.experimental_get_compiler_ir(spec)(stage="hlo")
+        except (ValueError, tf.errors.OpError) as error:
+            if "is_initialized" in str(error):
+                # Variables created by this very trace (a model built by
+                # its first step) hold no value until the step runs: XLA
+                # can only say at the first close.
+                return
+            raise ValueError(
+                "The window's update (the optimizer's apply) is compiled "
+                "with XLA when the train step is not, and XLA cannot compile "
+                "this optimizer's. Pass `jit_compile=False` to `compile()` "
+                "(AccumModel), or `compile_update=False` to `step()` and "
+                "`apply()` (GradientAccumulator), to run it as Keras does. "
+                f"XLA said: {error}"
+            ) from None
 
 
 def receiving(engine):

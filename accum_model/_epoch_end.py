@@ -52,7 +52,8 @@ def flush_function(model, accumulator):
     """`accumulator.apply(model.optimizer)`, run as `fit` runs a step.
 
     Under the model's strategy, traced like its train function (the same
-    optimizer and `run_eagerly`), but never compiled with XLA.
+    optimizer and `run_eagerly`), but never compiled with XLA, its update
+    included: it runs once per epoch, not worth a compilation.
 
     Returns:
         A callable without arguments returning whether a window closed.
@@ -60,7 +61,9 @@ def flush_function(model, accumulator):
     strategy = model.distribute_strategy
 
     def flush():
-        return accumulator.apply(model.optimizer, jit_compile=False)
+        return accumulator.apply(
+            model.optimizer, jit_compile=False, compile_update=False
+        )
 
     def run():
         return first_replica(strategy, strategy.run(flush))

@@ -265,7 +265,7 @@ class AccumModel(
             grads,
             self.optimizer,
             weight=weight,
-            jit_compile=bool(self.jit_compile),
+            **self._compilation,
         )
 
     def train_step(self, data):
@@ -311,7 +311,7 @@ class AccumModel(
                 self.optimizer,
                 weight=weight,
                 loss_scale=loss_scale,
-                jit_compile=bool(self.jit_compile),
+                **self._compilation,
                 weight_in_loss=not scaling,
             )
             logs = _window_logs(accumulator, scaling)
@@ -352,7 +352,7 @@ class AccumModel(
             self.optimizer,
             weight=batch.weight,
             loss_scale=1.0 if scaling else None,
-            jit_compile=bool(self.jit_compile),
+            **self._compilation,
             weight_in_loss=True,
             noise_statistics=batch.noise_statistics,
         )

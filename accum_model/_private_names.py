@@ -125,6 +125,9 @@ PRIVATE_NAMES = {
         "_init_settings": "`AccumSettings`' initializer of the settings it "
         "holds, called by `AccumModel._init_accumulation`",
         "_micro_batch_setting": _MICRO_BATCH_SETTING,
+        "_compilation": "`jit_compile` and `compile_update` for the "
+        "engine's steps, from the model's `jit_compile` and what `compile` "
+        "was given (`AccumSettings`)",
     },
     "_auto.py": {
         "_micro_batch_setting": _MICRO_BATCH_SETTING,

@@ -1,18 +1,25 @@
 """`AccumSettings`: what an `AccumModel` is set to, and what it counted.
 
 A mixin of `AccumModel`: the settings of its constructor (`accum_steps`,
-`epoch_end`, `noise_scale`, `adascale`) as validated properties, and the
-readings of its window (the noise scale, AdaScale's gain and `tau`, the
-micro-batches and windows left out). The training path that uses them is
-in `_model`; the window itself is the `GradientAccumulator` that
-`gradient_accumulator` returns.
+`epoch_end`, `noise_scale`, `adascale`) as validated properties, the
+`jit_compile` that `compile` was given, and the readings of its window (the
+noise scale, AdaScale's gain and `tau`, the micro-batches and windows left
+out). The training path that uses them is in `_model`; the window itself is
+the `GradientAccumulator` that `gradient_accumulator` returns.
 """
 
+import inspect
+
 from accum_model import _adascale
+from accum_model import _keras
 from accum_model import _noise_scale
+from accum_model._model_classes import UNSET
 from accum_model._validation import check_accum_steps
 from accum_model._validation import check_epoch_end
 from accum_model._validation import check_micro_batch_size
+
+ADAPTER = _keras.ADAPTER
+keras = _keras.keras
 
 
 class AccumSettings:
@@ -36,6 +43,57 @@ class AccumSettings:
         # it grows with the batches).
         self._micro_batch_chosen = None
         self._micro_batch_capped = False
+        # What `compile` was given as `jit_compile` (UNSET before a compile
+        # of this class): Keras keeps only what it resolved (`"auto"` is
+        # False on a CPU), and only an explicit False keeps XLA out of the
+        # window's update (`_compilation`).
+        self._jit_compile_given = UNSET
+
+    # `compile`'s `jit_compile`, kept as given
+
+    def compile(self, *args, **kwargs):
+        super().compile(*args, **kwargs)
+        arguments = inspect.signature(keras.Model.compile).bind(
+            self, *args, **kwargs
+        )
+        arguments.apply_defaults()
+        self._jit_compile_given = arguments.arguments.get("jit_compile")
+
+    def get_compile_config(self):
+        config = super().get_compile_config()
+        if config is not None and "jit_compile" in config:
+            if self._jit_compile_given is not UNSET:
+                # As given, not as resolved: `"auto"` saved as a CPU's False
+                # would keep XLA out of a loaded model's update.
+                config["jit_compile"] = self._jit_compile_given
+        return config
+
+    def compile_from_config(self, config):
+        if type(self).compile is not AccumSettings.compile:
+            # A class with a `compile` of its own (a keras-hub task): as
+            # Keras does, not compiled from the file.
+            return super().compile_from_config(config)
+        # What Keras' does, which skips every class whose `compile` is
+        # overridden (this one only notes `jit_compile`).
+        self.compile(**keras.saving.deserialize_keras_object(config))
+        if self.built:
+            ADAPTER.build_optimizer_for_restore(
+                self.optimizer, self.trainable_variables
+            )
+
+    @property
+    def _compilation(self):
+        """`GradientAccumulator.step`'s `jit_compile` and `compile_update`.
+
+        Where the train step is not compiled with XLA (Keras' `"auto"` on a
+        CPU), the window's update still is, outside a strategy
+        (`_close.update_function`), unless `compile` was given
+        `jit_compile=False`: no XLA at all.
+        """
+        return {
+            "jit_compile": bool(self.jit_compile),
+            "compile_update": self._jit_compile_given is not False,
+        }
 
     def _set_measurement(self, noise_scale, adascale):
         """Sets `noise_scale` and `adascale` together, checked as a pair.

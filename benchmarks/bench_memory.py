@@ -123,8 +123,9 @@ _JIT_COMPILE = flags.DEFINE_enum(
     "jit_compile",
     "false",
     ["false", "true", "auto"],
-    "`compile(jit_compile=...)`: graph mode (false), XLA (true), or Keras' "
-    "choice (auto: XLA on a GPU).",
+    "`compile(jit_compile=...)`: graph mode with no XLA at all (false, "
+    "AccumModel's update included), XLA (true), or Keras' choice (auto: "
+    "XLA on a GPU; on a CPU graph mode, AccumModel's update compiled apart).",
 )
 _DEVICE = flags.DEFINE_enum(
     "device",

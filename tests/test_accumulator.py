@@ -326,6 +326,81 @@ class XlaApplyTest(tf.test.TestCase):
         self.assertNotRegex(_outside_loops(hlo), in_close)
 
 
+def _compiled_updates(function, *args):
+    """The calls of `function`'s graph to a window update compiled by XLA."""
+    graph = function.get_concrete_function(*args).graph.as_graph_def()
+    nodes = list(graph.node)
+    for f in graph.library.function:
+        nodes.extend(f.node_def)
+    return [
+        node
+        for node in nodes
+        if node.attr["_XlaMustCompile"].b
+        and "accum_model_window_update" in node.attr["f"].func.name
+    ]
+
+
+class CompiledUpdateTest(tf.test.TestCase, parameterized.TestCase):
+    def _step_function(self, compile_update, jit_compile=False):
+        strategy = tf.distribute.get_strategy()
+        variable = tf.Variable([1.0, -2.0])
+        optimizer = keras.optimizers.AdamW(0.1, weight_decay=0.1)
+        accumulator = GradientAccumulator([variable], accum_steps=2)
+
+        def replica_step(g):
+            return accumulator.step(
+                [g], optimizer, compile_update=compile_update
+            )
+
+        step = tf.function(
+            lambda g: strategy.run(replica_step, (g,)),
+            jit_compile=jit_compile,
+        )
+        return step, variable, optimizer
+
+    def test_the_update_is_compiled_in_a_graph(self):
+        step, _, _ = self._step_function(compile_update=True)
+        self.assertLen(_compiled_updates(step, tf.constant([1.0, 1.0])), 1)
+
+    @parameterized.named_parameters(
+        ("not_asked", dict(compile_update=False)),
+        # The whole step is compiled: nothing to compile apart.
+        ("xla_step", dict(compile_update=True, jit_compile=True)),
+    )
+    def test_the_update_is_not_compiled_apart(self, kwargs):
+        step, _, _ = self._step_function(**kwargs)
+        self.assertEmpty(_compiled_updates(step, tf.constant([1.0, 1.0])))
+
+    def test_not_under_a_strategy(self):
+        with tf.distribute.MirroredStrategy(["CPU:0"]).scope():
+            step, _, _ = self._step_function(compile_update=True)
+            self.assertEmpty(_compiled_updates(step, tf.constant([1.0, 1.0])))
+
+    def test_an_optimizer_named_with_an_underscore(self):
+        # Its name scope opened at the root of the compiled function's graph
+        # was refused ("not a valid root scope name").
+        variable = tf.Variable([1.0])
+        optimizer = keras.optimizers.SGD(1.0, name="_private")
+        accumulator = GradientAccumulator([variable], accum_steps=1)
+        step = tf.function(lambda g: accumulator.step([g], optimizer))
+        step(tf.constant([0.5]))
+        self.assertLen(_compiled_updates(step, tf.constant([0.5])), 1)
+        self.assertAllClose(variable, [0.5])
+
+    def test_compiled_and_not_apply_the_same_updates(self):
+        # The same arithmetic, fused: equal to float32 rounding.
+        grads = [tf.constant([g, 2.0 - g]) for g in (0.5, -1.0, 3.0, 0.25)]
+        weights = []
+        for compile_update in (True, False):
+            step, variable, optimizer = self._step_function(compile_update)
+            for g in grads * 3:
+                step(g)
+            self.assertEqual(int(optimizer.iterations), 6)
+            weights.append(variable.numpy())
+        self.assertAllClose(weights[0], weights[1], rtol=1e-6, atol=1e-6)
+        self.assertNotAllClose(weights[0], [1.0, -2.0])
+
+
 _LIFETIME_SCRIPT = """
 import os
 os.environ["TF_CPU_ALLOCATOR_USE_BFC"] = "true"  # keeps peak statistics
