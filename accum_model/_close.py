@@ -88,7 +88,8 @@ def update_function(engine, optimizer, receiving, xla, compile_update):
 
     Compiled with XLA (one fused pass per variable, no temporaries) when
     `compile_update` asks for it, the step is traced in a graph XLA does not
-    compile already, and no `tf.distribute` strategy is in scope. An
+    compile already, no `tf.distribute` strategy is in scope, and XLA runs
+    on this platform (`_control_flow.xla_available`). An
     optimizer's apply is a dozen elementwise passes over every weight
     (AdamW reads and writes its two moments and the weight several times
     each), and the close runs it after the whole backward pass: nothing
@@ -130,6 +131,7 @@ def update_function(engine, optimizer, receiving, xla, compile_update):
         and not xla
         and not tf.executing_eagerly()
         and not tf.distribute.has_strategy()
+        and _control_flow.xla_available()
     ):
         _check_xla_compiles(accum_model_window_update)
         return tf.function(accum_model_window_update, jit_compile=True)

@@ -15,6 +15,9 @@ optimizer's apply does). Two things make the plain `tf.cond` wrong there:
 This module knows TensorFlow only.
 """
 
+import functools
+import platform
+
 import tensorflow as tf
 
 
@@ -56,6 +59,22 @@ def first_replica(strategy, value):
     if isinstance(value, tf.distribute.DistributedValues):
         return strategy.experimental_local_results(value)[0]
     return value
+
+
+@functools.cache
+def xla_available():
+    """Whether XLA can compile here, as Keras asks before it uses it.
+
+    Not on Apple's ARM processors (Keras 3 turns XLA off there under
+    TensorFlow's Metal plugin, tf_keras' optimizers on any Apple ARM), nor
+    with a pluggable device of another type (tf_keras' `can_jit_compile`).
+    """
+    if platform.system() == "Darwin" and "arm" in platform.processor().lower():
+        return False
+    return all(
+        device.device_type in ("CPU", "GPU", "TPU")
+        for device in tf.config.list_physical_devices()
+    )
 
 
 def in_xla_context():

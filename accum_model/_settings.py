@@ -48,6 +48,13 @@ class AccumSettings:
         # False on a CPU), and only an explicit False keeps XLA out of the
         # window's update (`_compilation`).
         self._jit_compile_given = UNSET
+        # A model compiled before it accumulates (`accumulate`): what Keras
+        # kept of its `jit_compile`. Keras 3 keeps it resolved, so "auto" on
+        # a CPU reads as False and the update is not compiled apart: an
+        # explicit False looks the same and must be kept.
+        compiled = self.get_compile_config()
+        if compiled is not None and "jit_compile" in compiled:
+            self._jit_compile_given = compiled["jit_compile"]
 
     # `compile`'s `jit_compile`, kept as given
 

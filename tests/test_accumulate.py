@@ -271,6 +271,28 @@ class AccumulateTest(tf.test.TestCase, parameterized.TestCase):
         self.assertEqual(int(model.optimizer.iterations), 6)
 
 
+class CompiledBeforeTest(tf.test.TestCase):
+    def test_jit_compile_false_given_before_accumulate_is_kept(self):
+        # `accumulate` found the model compiled with `jit_compile=False` and
+        # compiled the window's update with XLA anyway: an optimizer XLA
+        # cannot compile was refused, with advice already followed.
+        x, y = tu.regression_data(16)
+        model = tu.mlp(keras.Model)
+        reference = tu.copy_weights(model, tu.mlp(keras.Model))
+        model.compile(tu.PyFunctionSGD(0.1), "mse", jit_compile=False)
+        accumulate(model, accum_steps=2)
+        model.fit(x, y, batch_size=4, shuffle=False, verbose=0)
+        _, expected = tu.train(
+            reference, x, y, 8, optimizer=tu.PyFunctionSGD(0.1)
+        )
+        tu.assert_same_trajectory(self, expected[-1:], [model.get_weights()])
+        # Compiled again after `accumulate`, with the default: compiled
+        # apart, so refused.
+        model.compile(tu.PyFunctionSGD(0.1), "mse")
+        with self.assertRaisesRegex(ValueError, "jit_compile=False"):
+            model.fit(x, y, batch_size=4, verbose=0)
+
+
 class PipelineLike(keras.Model):
     """A model class whose `fit` takes `sample_weight` fourth, like keras-hub.
 

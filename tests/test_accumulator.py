@@ -4,12 +4,14 @@ import os
 import re
 import subprocess
 import sys
+from unittest import mock
 
 import numpy as np
 import tensorflow as tf
 from absl.testing import parameterized
 
 from accum_model import GradientAccumulator
+from accum_model import _control_flow
 from accum_model._keras import keras
 from tests import testing_utils as tu
 
@@ -373,6 +375,18 @@ class CompiledUpdateTest(tf.test.TestCase, parameterized.TestCase):
 
     def test_not_under_a_strategy(self):
         with tf.distribute.MirroredStrategy(["CPU:0"]).scope():
+            step, _, _ = self._step_function(compile_update=True)
+            self.assertEmpty(_compiled_updates(step, tf.constant([1.0, 1.0])))
+
+    def test_not_where_keras_keeps_xla_off(self):
+        # Apple's ARM processors: Keras turns XLA off under TensorFlow's
+        # Metal plugin, tf_keras' optimizers on any of them.
+        _control_flow.xla_available.cache_clear()
+        self.addCleanup(_control_flow.xla_available.cache_clear)
+        with (
+            mock.patch("platform.system", return_value="Darwin"),
+            mock.patch("platform.processor", return_value="arm"),
+        ):
             step, _, _ = self._step_function(compile_update=True)
             self.assertEmpty(_compiled_updates(step, tf.constant([1.0, 1.0])))
 

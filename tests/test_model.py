@@ -529,22 +529,12 @@ class CompiledStepTest(tf.test.TestCase, parameterized.TestCase):
         tu.assert_same_trajectory(self, expected, recorder.weights)
 
 
-class PyFunctionSGD(keras.optimizers.SGD):
-    """SGD whose update goes through a `tf.py_function`: XLA cannot compile
-    it."""
-
-    def update_step(self, gradient, variable, *args):
-        gradient = tf.py_function(lambda g: g, [gradient], gradient.dtype)
-        gradient.set_shape(variable.shape)
-        return super().update_step(gradient, variable, *args)
-
-
 class CompiledUpdateTest(tf.test.TestCase):
     """The window's update, compiled with XLA apart (`_close`)."""
 
     def _model(self):
         model = tu.mlp(AccumModel, accum_steps=2)
-        model.compile(PyFunctionSGD(0.1), "mse")
+        model.compile(tu.PyFunctionSGD(0.1), "mse")
         return model
 
     def test_an_update_xla_cannot_compile_says_what_to_set(self):
@@ -561,9 +551,11 @@ class CompiledUpdateTest(tf.test.TestCase):
         tu.assert_same_trajectory(self, [before], [model.get_weights()])
         self.assertEqual(int(model.gradient_accumulator.micro_step), 0)
 
-        model.compile(PyFunctionSGD(0.1), "mse", jit_compile=False)
+        model.compile(tu.PyFunctionSGD(0.1), "mse", jit_compile=False)
         model.fit(x, y, batch_size=4, shuffle=False, verbose=0)
-        _, expected = tu.train(reference, x, y, 8, optimizer=PyFunctionSGD(0.1))
+        _, expected = tu.train(
+            reference, x, y, 8, optimizer=tu.PyFunctionSGD(0.1)
+        )
         tu.assert_same_trajectory(self, expected[-1:], [model.get_weights()])
 
     def test_jit_compile_is_saved_as_given(self):
@@ -573,13 +565,13 @@ class CompiledUpdateTest(tf.test.TestCase):
         for jit_compile in (None, False):
             model = self._model()
             if jit_compile is False:
-                model.compile(PyFunctionSGD(0.1), "mse", jit_compile=False)
+                model.compile(tu.PyFunctionSGD(0.1), "mse", jit_compile=False)
             path = os.path.join(self.get_temp_dir(), f"{jit_compile}.keras")
             model.save(path)
             loaded = keras.models.load_model(
-                path, custom_objects={"PyFunctionSGD": PyFunctionSGD}
+                path, custom_objects={"PyFunctionSGD": tu.PyFunctionSGD}
             )
-            self.assertIsInstance(loaded.optimizer, PyFunctionSGD)
+            self.assertIsInstance(loaded.optimizer, tu.PyFunctionSGD)
             if jit_compile is False:
                 loaded.fit(x, y, batch_size=4, verbose=0)
             else:
