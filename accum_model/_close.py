@@ -133,25 +133,31 @@ def update_function(engine, optimizer, receiving, xla, compile_update):
         and not tf.distribute.has_strategy()
         and _control_flow.xla_available()
     ):
-        _check_xla_compiles(accum_model_window_update)
-        return tf.function(accum_model_window_update, jit_compile=True)
+        compiled = tf.function(accum_model_window_update, jit_compile=True)
+        _check_xla_compiles(compiled)
+        return compiled
     return accum_model_window_update
 
 
-def _check_xla_compiles(update):
-    """Raises, while the step is traced, if XLA cannot compile `update`.
+def _check_xla_compiles(function):
+    """Raises, while the step is traced, if XLA cannot compile `function`.
 
     An optimizer with an op XLA has no kernel for (a `tf.py_function`, a
     string op) would otherwise fail at the first window's close, after its
     micro-batches were added: the window left full, unapplied. Converted to
-    XLA's HLO here, outside the step's graph, nothing has run yet.
+    XLA's HLO here, outside the step's graph, nothing has run yet. The
+    trace made here is the one the step's call reuses.
+
+    Args:
+        function: The update, a `tf.function` with `jit_compile=True`.
 
     Raises:
         ValueError: If XLA cannot compile it, saying what to set.
     """
     spec = tf.TensorSpec([], tf.float32)
     with tf.init_scope():
-        function = tf.function(update, jit_compile=True)
+        # Traced first, on its own: an error of the trace (not of XLA)
+        # passes as it is.
         function.get_concrete_function(spec)
         try:
             function.experimental_get_compiler_ir(spec)(stage="hlo")

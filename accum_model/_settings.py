@@ -43,15 +43,14 @@ class AccumSettings:
         # it grows with the batches).
         self._micro_batch_chosen = None
         self._micro_batch_capped = False
-        # What `compile` was given as `jit_compile` (UNSET before a compile
-        # of this class): Keras keeps only what it resolved (`"auto"` is
-        # False on a CPU), and only an explicit False keeps XLA out of the
-        # window's update (`_compilation`).
+        # What `compile` was given as `jit_compile`: Keras keeps only what
+        # it resolved (`"auto"` is False on a CPU), and only an explicit
+        # False keeps XLA out of the window's update (`_compilation`). UNSET
+        # for a model not compiled yet (and first, as `get_compile_config`
+        # reads it). A model compiled before it accumulates (`accumulate`)
+        # takes what Keras kept: Keras 3 keeps it resolved, so "auto" on a
+        # CPU reads as False, as an explicit False, which must be kept.
         self._jit_compile_given = UNSET
-        # A model compiled before it accumulates (`accumulate`): what Keras
-        # kept of its `jit_compile`. Keras 3 keeps it resolved, so "auto" on
-        # a CPU reads as False and the update is not compiled apart: an
-        # explicit False looks the same and must be kept.
         compiled = self.get_compile_config()
         if compiled is not None and "jit_compile" in compiled:
             self._jit_compile_given = compiled["jit_compile"]
