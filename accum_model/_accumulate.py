@@ -31,6 +31,7 @@ _UNSET = _model_classes.UNSET
 def accumulate(
     model,
     accum_steps=_UNSET,
+    *,
     epoch_end=_UNSET,
     noise_scale=_UNSET,
     adascale=_UNSET,
@@ -73,6 +74,7 @@ def accumulate(
         model: A `keras.Model` instance, built or not, compiled or not.
         accum_steps: Int >= 1. Micro-batches per optimizer update; 1 is
             plain training. Also the read/write property `accum_steps`.
+            The options after it are keyword-only.
         epoch_end: `"apply"` (the default, or unchanged on a model that
             already accumulates) applies a partly filled window at the end
             of every epoch; `"carry"` keeps it open into the next epoch. See
@@ -310,10 +312,10 @@ def _accumulating_clone(model, clone):
     return accumulate(
         clone,
         model.accum_steps,
-        model.epoch_end,
-        model.noise_scale,
-        model.adascale,
-        model._micro_batch_setting,
+        epoch_end=model.epoch_end,
+        noise_scale=model.noise_scale,
+        adascale=model.adascale,
+        micro_batch_size=model._micro_batch_setting,
     )
 
 

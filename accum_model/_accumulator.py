@@ -28,10 +28,13 @@ from accum_model import _adascale
 from accum_model import _close
 from accum_model import _contribution
 from accum_model import _control_flow
+from accum_model import _keras
 from accum_model import _noise_scale
 from accum_model import _state
 from accum_model._validation import check_accum_steps
 from accum_model._validation import check_optimizer_not_accumulating
+
+ADAPTER = _keras.ADAPTER
 
 
 class GradientAccumulator(tf.Module):
@@ -101,6 +104,9 @@ class GradientAccumulator(tf.Module):
         super().__init__(name=name or "gradient_accumulator")
         self._variables = variables
         self._apply_hooks = []
+        # The window's update compiled with XLA, per optimizer and variables
+        # receiving gradients (`_close.update_function`).
+        self._compiled_updates = {}
         # Which variables ever received a gradient: the others get `None` at
         # apply, as plain training gives them (so the optimizer neither
         # decays nor counts them, and warns as Keras does). Known when a
@@ -110,11 +116,14 @@ class GradientAccumulator(tf.Module):
         self._received = [False] * len(variables)
         # Every variable, by name (`_state`); the attributes are views.
         self.state = _state.WindowState()
-        engine, accumulators, received = _state.declare_engine(
+        engine, accumulators, received, batch = _state.declare_engine(
             self.state, variables, accum_steps
         )
         self._accumulators = accumulators
         self._received_flags = received
+        self._batch_open = batch["open"]
+        self._batch_sums = batch["sums"]
+        self._rows_added = batch["rows_added"]
         self._accum_steps = engine["accum_steps"]
         self._window_steps = engine["window_steps"]
         self._micro_step = engine["micro_step"]
@@ -141,8 +150,14 @@ class GradientAccumulator(tf.Module):
         return self.state.saved_variables()
 
     def reset(self):
-        """Discards the open window without applying it."""
+        """Discards the open window without applying it.
+
+        With it, what a batch cut short by an error had added (`fit` calls
+        this when a training step fails part-way).
+        """
         self._end_window(closed=False)
+        for v in self.state.batch_variables():
+            v.assign(tf.zeros_like(v))
 
     def _end_window(self, closed):
         # The next window's length is latched here, when the last one ends,
@@ -249,7 +264,6 @@ class GradientAccumulator(tf.Module):
         loss_scale=None,
         jit_compile=None,
         weight_in_loss=False,
-        noise_statistics=None,
         compile_update=True,
     ):
         """Accumulates `grads` and applies the window when it is full.
@@ -266,7 +280,7 @@ class GradientAccumulator(tf.Module):
             optimizer: The optimizer to apply the mean with (Keras 3 or
                 tf_keras), called once per window.
             grads, weight, is_finite, loss_scale, jit_compile,
-            weight_in_loss, noise_statistics: As in `accumulate()`.
+            weight_in_loss: As in `accumulate()`.
             compile_update: Bool (default True): the window's update is
                 compiled with XLA apart in a graph XLA does not compile,
                 outside a strategy (docs/semantics.md); False: as Keras.
@@ -289,7 +303,6 @@ class GradientAccumulator(tf.Module):
             loss_scale=loss_scale,
             jit_compile=xla,
             weight_in_loss=weight_in_loss,
-            noise_statistics=noise_statistics,
         )
         full = self._micro_step >= self._window_steps
         return _close.close_if(self, full, optimizer, xla, compile_update)
@@ -304,7 +317,6 @@ class GradientAccumulator(tf.Module):
         loss_scale=None,
         jit_compile=None,
         weight_in_loss=False,
-        noise_statistics=None,
     ):
         """Adds one micro-batch's gradients, weighted, to the window.
 
@@ -336,12 +348,6 @@ class GradientAccumulator(tf.Module):
                 scalar multiply instead of one per gradient element, as
                 `AccumModel` does without loss scaling): the gradients then
                 go in as they are, divided by `loss_scale` only.
-            noise_statistics: Optional pair of float32 scalars for `grads`
-                that sum several micro-batches already (a batch split by
-                `micro_batch_size`): `(sum_k w_k |g_k|^2, micro-batches)`,
-                what the noise scale would have counted for them one by
-                one. By default `grads` are one micro-batch.
-
         Raises:
             ValueError: If `grads` does not hold one gradient per variable,
                 or (with `optimizer`) as `step()` raises.
@@ -367,8 +373,105 @@ class GradientAccumulator(tf.Module):
             loss_scale=loss_scale,
             weight_in_loss=weight_in_loss,
             xla=_resolve_xla(jit_compile),
-            noise_statistics=noise_statistics,
         )
+
+    def batch_interrupted(self):
+        """Bool: whether a step stopped part-way into its batch (eagerly).
+
+        On any replica: its additions may be in the accumulators, the rest
+        not (`reset` discards them).
+        """
+        parts = getattr(self._batch_open, "values", (self._batch_open,))
+        return any(int(p.numpy()) for p in parts)
+
+    def progress_variables(self):
+        """`[micro_step, contributed_steps, batch sums]`: how far a step got
+        (`_auto` reads them before and after an error, per replica)."""
+        return [self._micro_step, self._contributed, self._batch_sums]
+
+    def batch_rows(self):
+        """Float32 tensor: the rows of the open batch whose slices are in."""
+        return self._batch_sums[_state.BATCH_SUMS.index("rows")]
+
+    def add_slice(
+        self,
+        grads,
+        weight,
+        loss,
+        *,
+        rows,
+        rows_end,
+        scale=None,
+        resumable=False,
+    ):
+        """Adds one slice of a batch that enters the window in slices.
+
+        For a batch split inside the training step (`micro_batch_size`):
+        each slice's gradients go into the accumulators in place, and the
+        batch counts as one micro-batch once `end_batch` ends it.
+
+        Args:
+            grads: One gradient per variable, of the slice's loss times
+                `weight` (or times `scale`, under loss scaling).
+            weight: Float scalar `w_k`: what the slice's loss divided by.
+            loss: The slice's loss, for the batch's logged loss.
+            rows: Int scalar, the slice's rows.
+            rows_end: Int scalar, the row of the batch it ends at.
+            scale: None, or the loss scale the loss was multiplied by.
+            resumable: Bool: the batch may run again after an out-of-memory
+                error, and no row is added twice (docs/micro_batch.md).
+        """
+        grads = list(grads)
+        if len(grads) != len(self._accumulators):
+            raise ValueError(
+                "`grads` must hold one gradient per variable of the "
+                f"accumulator ({len(self._accumulators)}). "
+                f"Received: {len(grads)} gradients"
+            )
+        _contribution.add_slice(
+            self,
+            grads,
+            weight,
+            loss,
+            scale=scale,
+            rows=rows,
+            rows_end=rows_end,
+            measure=self._noise_scale is not None,
+            resumable=resumable,
+        )
+
+    def end_batch(
+        self,
+        optimizer,
+        *,
+        summed=False,
+        jit_compile=None,
+        compile_update=True,
+    ):
+        """Ends a batch of slices: one micro-batch of the window; closes it
+        when full.
+
+        Args:
+            optimizer: The optimizer of the window.
+            summed: Bool: the batch's loss sums over its rows (reduction
+                "sum"): its weight in the window is 1, not its slices' sum.
+            jit_compile, compile_update: As in `step()`.
+
+        Returns:
+            `(loss, weight)`: float32 scalars, the batch's loss over all
+            its slices and the weight of its mean.
+        """
+        xla = _resolve_xla(jit_compile)
+        self.check_optimizer(optimizer)
+        dynamic = None
+        if ADAPTER.is_loss_scale_optimizer(optimizer):
+            dynamic = ADAPTER.dynamic_loss_scale(optimizer)
+        loss, weight = _contribution.end_batch(
+            self, summed=summed, dynamic_loss_scale=dynamic
+        )
+        full = self._micro_step >= self._window_steps
+        _close.close_if(self, full, optimizer, xla, compile_update)
+        return loss, weight
 
     def apply(self, optimizer, jit_compile=None, compile_update=True):
         """Applies the weighted mean of what was accumulated, then zeroes.

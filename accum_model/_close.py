@@ -10,6 +10,8 @@ compiled with XLA where it can be) and the hooks; then the window ends.
 Under XLA every read of the accumulators goes through `_kept_in_loop`.
 """
 
+import weakref
+
 import tensorflow as tf
 
 from accum_model import _control_flow
@@ -133,8 +135,22 @@ def update_function(engine, optimizer, receiving, xla, compile_update):
         and not tf.distribute.has_strategy()
         and _control_flow.xla_available()
     ):
+        key = (id(optimizer), tuple(receiving))
+        cached = engine._compiled_updates.get(key)
+        if cached is not None and cached[0]() is optimizer:
+            # One compiled update per optimizer and variables receiving
+            # gradients: retraces of the step (a new slice size, a new
+            # `fit`) reuse its trace and XLA's compilation.
+            return cached[1]
+        # An optimizer that creates its slots at its first apply (tf_keras)
+        # creates them here, in the step being traced, as plain fit's
+        # first trace does: TensorFlow then traces the step again, and a
+        # layer that seeds each trace (tf_keras' Dropout) draws what it
+        # draws in plain fit.
+        ADAPTER.build_optimizer_in_trace(optimizer, engine._variables)
         compiled = tf.function(accum_model_window_update, jit_compile=True)
         _check_xla_compiles(compiled)
+        engine._compiled_updates[key] = (weakref.ref(optimizer), compiled)
         return compiled
     return accum_model_window_update
 

@@ -17,6 +17,8 @@ from accum_model import _close
 from accum_model import _control_flow
 from accum_model import _keras
 from accum_model import _mixed_precision
+from accum_model import _noise_scale
+from accum_model import _state
 
 ADAPTER = _keras.ADAPTER
 
@@ -31,7 +33,6 @@ def add_microbatch(
     loss_scale,
     weight_in_loss,
     xla,
-    noise_statistics=None,
 ):
     """Adds one micro-batch to `engine`'s window (see the module).
 
@@ -47,9 +48,6 @@ def add_microbatch(
             the `LossScaleOptimizer`'s scale).
         weight_in_loss: Whether the loss was multiplied by `weight`.
         xla: Bool, whether the graph is compiled by XLA.
-        noise_statistics: Optional `(sum_k w_k |g_k|^2, micro-batches)` of
-            `grads` that sum several micro-batches (see
-            `GradientAccumulator.accumulate`).
     """
     scaled = optimizer is not None and ADAPTER.is_loss_scale_optimizer(
         optimizer
@@ -94,65 +92,31 @@ def add_microbatch(
             is_finite,
             xla,
             data,
-            noise_statistics,
         )
 
 
-def _add(engine, contributions, weight, is_finite, xla, data, noise_statistics):
+def _add(engine, contributions, weight, is_finite, xla, data):
     """Adds one micro-batch's float32 `w_k g_k` to the window.
 
     `data`: the micro-batch's tensors that exist only once its data has
     come; every change that does not read a contribution waits for them.
     """
-    received_flags = tf.constant([int(r) for r in engine._received], tf.int64)
-    accumulators = engine._accumulators
+    # After the forward pass (the weight reads its output), before any
+    # addition: an error from here to the end shows (`batch_interrupted`).
+    with tf.control_dependencies([weight]):
+        opened = engine._batch_open.assign(1)
     # The window's first contribution overwrites what the last window left,
-    # so no pass is spent zeroing the accumulators; one `tf.cond` for all
-    # variables keeps it one op per step.
-    first = tf.equal(engine._contributed, 0)
-    dense, sparse, absent = [], [], []
-    for acc, c in zip(accumulators, contributions):
-        if c is None:
-            absent.append(acc)
-        elif isinstance(c, tf.IndexedSlices):
-            sparse.append((acc, c))
-        else:
-            dense.append((acc, c))
+    # so no pass is spent zeroing the accumulators.
+    with tf.control_dependencies([opened]):
+        first = tf.equal(engine._contributed, 0)
 
-    def overwrite():
-        for acc, c in dense:
-            acc.assign(c)
-        return tf.constant(True)
-
-    def add_to():
-        for acc, c in dense:
-            acc.assign_add(c)
-        return tf.constant(True)
-
-    def nothing():
-        return tf.constant(False)
-
-    def start():
-        # Once per window, before anything of it can be saved. Not in
-        # `overwrite`: a control dependency inside a branch becomes an
-        # input of the whole conditional, and every addition would wait
-        # for all of the micro-batch's gradients.
-        engine._received_flags.assign(received_flags)
-        for acc in absent + [acc for acc, _ in sparse]:
-            acc.assign(tf.zeros_like(acc))
-        return tf.constant(True)
+    added = []
 
     def add():
-        # The one conditional around the additions: one nested in a branch
-        # (or around this one) stays one op that waits for every gradient,
-        # which would hold a micro-batch's gradients all at once.
-        tf.cond(first, overwrite, add_to)
+        added.extend(_add_gradients(engine, contributions, first, data))
         with tf.control_dependencies(data):
-            tf.cond(first, start, nothing)
             engine._weight_sum.assign_add(weight)
             engine._contributed.assign_add(1)
-        for acc, c in sparse:
-            acc.scatter_add(c)
         if engine._noise_scale is not None:
             # Float32, unscaled, before any clipping; only what joins the
             # window (a skipped micro-batch never gets here).
@@ -160,7 +124,6 @@ def _add(engine, contributions, weight, is_finite, xla, data, noise_statistics):
                 contributions,
                 weight,
                 lambda pred, fn: _control_flow.run_if(pred, fn, xla),
-                noise_statistics,
             )
         return tf.constant(True)
 
@@ -173,9 +136,316 @@ def _add(engine, contributions, weight, is_finite, xla, data, noise_statistics):
                 engine._skipped.assign_add(1)
             return tf.constant(False)
 
-        tf.cond(is_finite, add, skip)
+        # The conditional ends after everything its branch changes.
+        added = [tf.cond(is_finite, add, skip)]
     with tf.control_dependencies(data):
-        engine._micro_step.assign_add(1)
+        step = engine._micro_step.assign_add(1)
+    # Closed once its additions are all in.
+    with tf.control_dependencies([step] + added):
+        engine._batch_open.assign(0)
+
+
+def _add_gradients(engine, contributions, first, data, guard=None):
+    """Adds float32 contributions into the accumulators, in place.
+
+    Where `first` holds (nothing of the window is in them yet) a dense
+    accumulator is overwritten, and the flags of which variables receive
+    gradients are set, the accumulators of sparse and absent gradients
+    zeroed. Each addition runs as soon as its gradient exists, which frees
+    it: the window never holds a slice's gradients all at once.
+
+    Args:
+        engine: The `GradientAccumulator`.
+        contributions: One float32 contribution per variable (tensor,
+            `IndexedSlices` or None).
+        first: Bool scalar tensor.
+        data: Tensors that exist once the data has come (see `_add`).
+        guard: None, or `(rows_end, open)` for a batch that may be run again
+            after an out-of-memory error (`add_slice`): each variable then
+            adds only while it holds fewer rows than `rows_end`, and records
+            `rows_end` after its addition, so that no row is ever added
+            twice; `open` is the operation that marked the batch open,
+            which every addition follows.
+
+    Returns:
+        The additions' outputs, to order what must follow all of them.
+    """
+    received_flags = tf.constant([int(r) for r in engine._received], tf.int64)
+    dense, sparse, absent = [], [], []
+    for i, (acc, c) in enumerate(zip(engine._accumulators, contributions)):
+        if c is None:
+            absent.append(acc)
+        elif isinstance(c, tf.IndexedSlices):
+            sparse.append((i, acc, c))
+        else:
+            dense.append((i, acc, c))
+
+    def nothing():
+        return tf.constant(False)
+
+    def start(zeroed):
+        # Once per window, before anything of it can be saved. Not in the
+        # dense branch: a control dependency inside a branch becomes an
+        # input of the whole conditional, and every addition would wait
+        # for all of the micro-batch's gradients.
+        def fn():
+            engine._received_flags.assign(received_flags)
+            for acc in zeroed:
+                acc.assign(tf.zeros_like(acc))
+            return tf.constant(True)
+
+        return fn
+
+    if guard is None:
+
+        def overwrite():
+            for _, acc, c in dense:
+                acc.assign(c)
+            return tf.constant(True)
+
+        def add_to():
+            for _, acc, c in dense:
+                acc.assign_add(c)
+            return tf.constant(True)
+
+        # The one conditional around the additions: one nested in a branch
+        # (or around this one) stays one op that waits for every gradient,
+        # which would hold a micro-batch's gradients all at once.
+        outputs = [tf.cond(first, overwrite, add_to)]
+        with tf.control_dependencies(data):
+            tf.cond(
+                first, start(absent + [acc for _, acc, _ in sparse]), nothing
+            )
+        for _, acc, c in sparse:
+            outputs.append(acc.scatter_add(c))
+        return outputs
+
+    rows_end, opened = guard
+    with tf.control_dependencies(data + [opened]):
+        # Absent gradients' accumulators stay zero: zeroed again, nothing
+        # changes.
+        outputs = [tf.cond(first, start(absent), nothing)]
+    for i, acc, c in dense + sparse:
+        outputs.append(
+            _guarded_add(acc, c, engine._rows_added[i], rows_end, first, opened)
+        )
+    return outputs
+
+
+def _guarded_add(acc, contribution, rows_added, rows_end, first, opened):
+    """One variable's addition of a slice ending at `rows_end`, at most once.
+
+    One conditional per variable, with a counter of its own: a counter
+    shared by the variables would order their additions one after another.
+    """
+
+    def add():
+        # Nothing of the window in it yet: the first addition overwrites.
+        empty = tf.logical_and(first, tf.equal(rows_added, 0))
+        if isinstance(contribution, tf.IndexedSlices):
+
+            def zero():
+                acc.assign(tf.zeros_like(acc))
+                return tf.constant(True)
+
+            with tf.control_dependencies([tf.cond(empty, zero, _false)]):
+                done = acc.scatter_add(contribution)
+        else:
+
+            def overwrite():
+                acc.assign(contribution)
+                return tf.constant(True)
+
+            def add_to():
+                acc.assign_add(contribution)
+                return tf.constant(True)
+
+            done = tf.cond(empty, overwrite, add_to)
+        with tf.control_dependencies([done]):
+            rows_added.assign(rows_end)
+        return tf.constant(True)
+
+    with tf.control_dependencies([opened]):
+        pending = rows_added < rows_end
+    return tf.cond(pending, add, _false)
+
+
+def _false():
+    return tf.constant(False)
+
+
+def add_slice(
+    engine,
+    grads,
+    weight,
+    loss,
+    *,
+    scale,
+    rows,
+    rows_end,
+    measure,
+    resumable,
+):
+    """Adds one slice of a batch to the window (see `end_batch`).
+
+    Its gradients go into the accumulators in place, each as soon as it
+    exists; its scalars into the batch's sums (`_state.BATCH_SUMS`), in one
+    operation after all of its additions, which is what marks its rows as
+    in. Nothing of the window's own counters changes before `end_batch`.
+
+    Args:
+        engine: The `GradientAccumulator`.
+        grads: One gradient per variable, of the slice's loss times its
+            weight (or, with `scale`, times the loss scale).
+        weight: Float32 scalar `w_k`, what the slice's loss divided by.
+        loss: The slice's loss (any real dtype).
+        scale: None, or the loss scale (float32 scalar) the loss was
+            multiplied by instead of `weight`: the gradients are divided by
+            it in float32, checked, and a slice that is not finite on this
+            replica is left out (counted in `non_finite`).
+        rows: Int64 scalar, the slice's rows.
+        rows_end: Int64 scalar, the row of the batch the slice ends at.
+        measure: Bool, whether to sum the noise scale's statistics.
+        resumable: Bool. Whether the batch may run again after an
+            out-of-memory error: each variable then records the rows it
+            holds, and adds none twice (`_guarded_add`).
+    """
+    weight = tf.cast(weight, tf.float32)
+    factor = None if scale is None else weight / tf.cast(scale, tf.float32)
+    contributions = in_float32(grads, factor)
+    engine._received = [
+        r or g is not None for r, g in zip(engine._received, grads)
+    ]
+    data = _data_of(grads, weight)
+    loss = tf.reduce_sum(tf.cast(loss, tf.float32))
+    # A slice of no weight (an empty shard) has a 0/0 mean loss.
+    weighted_loss = tf.where(weight > 0.0, weight * loss, 0.0)
+    rows = tf.cast(rows, tf.float32)
+    sums = engine._batch_sums
+    zero = tf.constant(0.0)
+
+    def add():
+        # After the forward pass (the weight reads its output), before any
+        # addition; not after the gradients, which it would hold.
+        with tf.control_dependencies([weight]):
+            opened = engine._batch_open.assign(1)
+        with tf.control_dependencies([opened]):
+            # Read before this slice's sums are added: all slices before it.
+            first = tf.logical_and(
+                tf.equal(engine._contributed, 0),
+                tf.equal(sums[_ADDED], 0.0),
+            )
+        guard = (tf.cast(rows_end, tf.int64), opened) if resumable else None
+        outputs = _add_gradients(engine, contributions, first, [weight], guard)
+        q, n = zero, zero
+        if measure:
+            q, n = _noise_scale.microbatch_statistics(contributions, weight)
+        with tf.control_dependencies(outputs):
+            sums.assign_add(
+                tf.stack([rows, weight, weight, weighted_loss, q, n, 1.0, zero])
+            )
+        return tf.constant(True)
+
+    def skip():
+        with tf.control_dependencies(data):
+            sums.assign_add(
+                tf.stack(
+                    [rows, zero, weight, weighted_loss, zero, zero, zero, 1.0]
+                )
+            )
+        return tf.constant(False)
+
+    if scale is None:
+        add()
+    else:
+        # This replica's own: no collective inside a batch's slices, whose
+        # number may differ between replicas (an empty shard).
+        finite = tf.equal(
+            _mixed_precision.non_finite_count(_values(contributions)), 0.0
+        )
+        tf.cond(finite, add, skip)
+
+
+def end_batch(engine, *, summed, dynamic_loss_scale):
+    """Ends the batch `add_slice` added: its sums into the window.
+
+    The window's weight grows by the batch's `W` (`sum_k w_k` over the added
+    slices; 1 for a loss that sums over the batch, `summed`, whose slices'
+    gradients add up to the batch's), its counters by one micro-step; under
+    loss scaling the scale moves once, by whether any slice on any replica
+    was not finite. Then the batch's state is zeroed, last.
+
+    Args:
+        engine: The `GradientAccumulator`.
+        summed: Bool: the loss sums over the batch (reduction "sum").
+        dynamic_loss_scale: As `ADAPTER.dynamic_loss_scale`, or None.
+
+    Returns:
+        `(loss, weight)`: float32 scalars, the batch's loss (`sum_k w_k L_k /
+        sum_k w_k` over all its slices, or `sum_k L_k` when `summed`) and
+        what it is weighted by.
+    """
+    sums = engine._batch_sums.read_value()
+    field = dict(zip(_state.BATCH_SUMS, tf.unstack(sums)))
+    added = field["added"]
+    if summed:
+        weight = tf.cast(added > 0.0, tf.float32)
+        loss = field["weighted_loss"]
+    else:
+        weight = field["weight"]
+        loss = tf.math.divide_no_nan(
+            field["weighted_loss"], field["loss_weight"]
+        )
+    # A replica whose shard of the batch is empty adds no slice; where its
+    # window opens with this batch its accumulators still hold the last
+    # window's sums: zeroed, they are its (empty) contribution, as a
+    # micro-batch of no rows gives one.
+    empty = tf.logical_and(
+        tf.equal(field["rows"], 0.0), tf.equal(engine._contributed, 0)
+    )
+    received_flags = tf.constant([int(r) for r in engine._received], tf.int64)
+
+    def zero_window():
+        engine._received_flags.assign(received_flags)
+        for acc in engine._accumulators:
+            acc.assign(tf.zeros_like(acc))
+        return tf.constant(True)
+
+    zeroed = tf.cond(empty, zero_window, _false)
+    changes = [
+        zeroed,
+        engine._weight_sum.assign_add(weight),
+        engine._contributed.assign_add(
+            tf.cast(added, tf.int64) + tf.cast(empty, tf.int64)
+        ),
+        engine._skipped.assign_add(tf.cast(field["non_finite"], tf.int64)),
+    ]
+    if engine._noise_scale is not None:
+        changes.append(
+            engine._noise_scale.add_sums(
+                field["squared_norm_sum"], field["micro_batches"]
+            )
+        )
+    if dynamic_loss_scale is not None:
+        finite = _mixed_precision.none_on_any_replica(field["non_finite"])
+        _mixed_precision.update_loss_scale(dynamic_loss_scale, finite)
+    with tf.control_dependencies(changes):
+        step = engine._micro_step.assign_add(1)
+    with tf.control_dependencies([step]):
+        for v in engine.state.batch_variables():
+            v.assign(tf.zeros_like(v))
+    return loss, field["loss_weight"]
+
+
+_ADDED = _state.BATCH_SUMS.index("added")
+
+
+def _values(contributions):
+    return [
+        c.values if isinstance(c, tf.IndexedSlices) else c
+        for c in contributions
+        if c is not None
+    ]
 
 
 def _data_of(grads, weight):

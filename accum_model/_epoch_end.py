@@ -109,6 +109,10 @@ class EpochEndFlush(ADAPTER.callback_base):
         self._state.warn_once_on_bypass()
         self._flush()
         self._state.warn_if_discarded()
+        if logs is not None:
+            # First among the callbacks: the others (History, the progress
+            # bar) see these too.
+            logs.update(self._state.epoch_logs())
 
     def _flush(self):
         if self.model.epoch_end == "apply":

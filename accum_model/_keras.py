@@ -176,16 +176,20 @@ class _Keras3Adapter:
     def unpack(self, data):
         return keras.utils.unpack_x_y_sample_weight(data)
 
-    def forward(self, model, x):
+    def forward(self, model, x, training=True):
         if model._call_has_training_arg:
-            return model(x, training=True)
+            return model(x, training=training)
         return model(x)
 
-    def compute_loss(self, model, x, y, y_pred, sample_weight):
+    def compute_loss(self, model, x, y, y_pred, sample_weight, training=True):
         # `_compute_loss` is Keras' own wrapper that passes `training` only to
         # `compute_loss` overrides that accept it.
         return model._compute_loss(
-            x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True
+            x=x,
+            y=y,
+            y_pred=y_pred,
+            sample_weight=sample_weight,
+            training=training,
         )
 
     def track_loss(self, model, loss, batch_size):
@@ -230,6 +234,10 @@ class _Keras3Adapter:
             lambda value: first_replica(strategy, value), batch
         )
 
+    def is_multi_worker(self, strategy):
+        """Whether `strategy` is a collective one across several workers."""
+        return _is_multi_worker_collective(strategy)
+
     def logs_for_replica_reduction(self, model, logs):
         """Makes a step's scalar logs reducible by Keras' multi-worker path.
 
@@ -265,23 +273,31 @@ class _Keras3Adapter:
     def metric_variables(self, model):
         return list(model.metrics_variables)
 
-    def step_on_data(self, model):
-        """A train function of one batch given as data, as `fit`'s would be.
+    def step_on_data(self, model, step, kind="train"):
+        """A function of one batch given as data, as Keras' own would be.
 
-        What Keras' own train function runs per step (`strategy.run` of
-        `train_step`, the logs reduced over replicas, compiled as `fit`
-        compiles), except that the batch comes as an argument instead of
-        from the iterator inside: so the same batch can run again.
+        What Keras' own train, test or predict function runs per step
+        (`strategy.run` of the step, the outputs reduced over replicas,
+        compiled as Keras compiles it), except that the batch comes as an
+        argument instead of from the iterator inside: so the same batch can
+        run again.
+
+        Args:
+            model: The model.
+            step: Its step, `step(data)`.
+            kind: `"train"`, `"test"` or `"predict"`.
         """
         strategy = model.distribute_strategy
+        reduction = (
+            "concat" if kind == "predict" else self._log_reduction(model)
+        )
+        counted = self._counted_step(model, step, kind)
 
         # Not converted by AutoGraph, as Keras' own step is not.
         @tf.autograph.experimental.do_not_convert
         def one_step(data):
-            outputs = strategy.run(self._counted_step(model), args=(data,))
-            return self._reduce_per_replica(
-                outputs, strategy, self._log_reduction(model)
-            )
+            outputs = strategy.run(counted, args=(data,))
+            return self._reduce_per_replica(outputs, strategy, reduction)
 
         if model.run_eagerly:
             return one_step
@@ -289,8 +305,9 @@ class _Keras3Adapter:
             one_step, reduce_retracing=True, jit_compile=model.jit_compile
         )
 
-    def _counted_step(self, model):
-        return model.train_step
+    def _counted_step(self, model, step, kind):
+        del model, kind  # Keras 3 counts its steps itself.
+        return step
 
     def _log_reduction(self, model):
         del model  # Keras 3's `fit` reduces with "auto".
@@ -505,6 +522,13 @@ class _Keras3Adapter:
         """Creates the optimizer's slots before a checkpoint is loaded."""
         self.build_optimizer(optimizer, variables)
 
+    def build_optimizer_in_trace(self, optimizer, variables):
+        """Creates, in the function being traced, slots Keras creates there.
+
+        Keras 3's optimizers are built before a step is traced: nothing.
+        """
+        del optimizer, variables
+
 
 class _ResumeCounters:
     """What tf_keras' `fit` asks `model._training_state` for (private)."""
@@ -585,13 +609,15 @@ class _TfKerasAdapter(_Keras3Adapter):
         # tf_keras' Functional.__init__ runs Model.__init__ itself.
         self.functional_class.__init__(model, *args, **kwargs)
 
-    def compute_loss(self, model, x, y, y_pred, sample_weight):
+    def compute_loss(self, model, x, y, y_pred, sample_weight, training=True):
         loss = model.compute_loss(x, y, y_pred, sample_weight)
-        model._validate_target_and_loss(y, loss)
+        if training:
+            # As tf_keras' `train_step` (its `test_step` does not check).
+            model._validate_target_and_loss(y, loss)
         return loss
 
-    def forward(self, model, x):
-        return model(x, training=True)
+    def forward(self, model, x, training=True):
+        return model(x, training=training)
 
     def track_loss(self, model, loss, batch_size):
         del model, loss, batch_size  # tf_keras' compiled loss tracks itself.
@@ -605,12 +631,18 @@ class _TfKerasAdapter(_Keras3Adapter):
     def metric_variables(self, model):
         return [v for metric in model.metrics for v in metric.variables]
 
-    def _counted_step(self, model):
-        # As tf_keras' own `step_function`: its `fit` counts steps here.
+    def _counted_step(self, model, step, kind):
+        # As tf_keras' own step functions: it counts steps here.
+        counter = {
+            "train": model._train_counter,
+            "test": model._test_counter,
+            "predict": model._predict_counter,
+        }[kind]
+
         def run_step(data):
-            outputs = model.train_step(data)
+            outputs = step(data)
             with tf.control_dependencies(tf.nest.flatten(outputs)):
-                model._train_counter.assign_add(1)
+                counter.assign_add(1)
             return outputs
 
         return run_step
@@ -659,6 +691,11 @@ class _TfKerasAdapter(_Keras3Adapter):
         inner = self.inner_optimizer(optimizer)
         if hasattr(inner, "build") and not getattr(inner, "_built", False):
             inner.build(variables)
+
+    def build_optimizer_in_trace(self, optimizer, variables):
+        # tf_keras' optimizers create their slots at their first apply,
+        # in the step being traced.
+        self.build_optimizer_for_restore(optimizer, variables)
 
     def track_state(self, model, accumulator):
         # tf_keras' BackupAndRestore and `save_weights` in TF format write

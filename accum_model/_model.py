@@ -15,6 +15,7 @@ import tensorflow as tf
 from accum_model import _adascale
 from accum_model import _auto
 from accum_model import _epoch_end
+from accum_model import _inference
 from accum_model import _keras
 from accum_model import _model_classes
 from accum_model import _noise_scale
@@ -27,6 +28,7 @@ from accum_model._validation import check_accum_steps
 from accum_model._validation import check_epoch_end
 from accum_model._validation import check_keywords
 from accum_model._validation import check_micro_batch_size
+from accum_model._validation import check_not_fit_arguments
 from accum_model._validation import check_optimizer_not_accumulating
 
 ADAPTER = _keras.ADAPTER
@@ -206,6 +208,7 @@ class AccumModel(
 
     # The hook for custom losses
 
+    @_normalizers.default
     def compute_loss_normalizer(self, x, y, y_pred, sample_weight):
         """Returns what this micro-batch's loss was divided by.
 
@@ -272,7 +275,7 @@ class AccumModel(
         # Seen when `fit` traces the step: it goes through the window.
         self._accum_state.traced_through_window()
         if self.micro_batch_size not in (None, "auto"):
-            return self._split_train_step(data)
+            return self._split_train_step(data, self.micro_batch_size)
         x, y, sample_weight = ADAPTER.unpack(data)
         scaling = ADAPTER.is_loss_scale_optimizer(self.optimizer)
 
@@ -321,8 +324,17 @@ class AccumModel(
         metrics = ADAPTER.compute_metrics(self, x, y, y_pred, sample_weight)
         return _step_logs(self, metrics, logs)
 
-    def _split_train_step(self, data):
-        """`train_step` for a batch split into slices (`_split`)."""
+    def _split_train_step(self, data, size=None, resumable=False):
+        """`train_step` for a batch split into slices (`_split`).
+
+        Args:
+            data: The batch.
+            size: The rows of a slice: by default `micro_batch_size`; None
+                there (`"auto"` before it chose) runs the batch as one.
+            resumable: Whether the batch may run again after an
+                out-of-memory error (`_auto`; never under XLA).
+        """
+        self._accum_state.traced_through_window()
         # Built eagerly before the trace (`make_train_function`) when the
         # model is: the slices' forward passes run inside a loop, where no
         # layer may create its weights. A model built lazily (a Sequential
@@ -336,29 +348,64 @@ class AccumModel(
             self(tf.nest.map_structure(lambda t: t[:1], x), training=False)
         accumulator = self._accum_state.build()
         scaling = ADAPTER.is_loss_scale_optimizer(self.optimizer)
-        batch = _split.run_slices(
+        xla = bool(self.jit_compile)
+        loss, _ = _split.train_batch(
             self,
+            accumulator,
             data,
-            self.micro_batch_size,
-            accumulator.updated_variables,
+            size,
             scale=ADAPTER.loss_scale(self.optimizer) if scaling else None,
-            measure=accumulator.noise_scale is not None,
-            xla=bool(self.jit_compile),
+            xla=xla,
+            resumable=resumable and not xla,
         )
-        ADAPTER.track_loss(self, batch.loss, _normalizers.batch_size(x, y))
-        # The slices' gradients are weighted and unscaled already.
-        accumulator.step(
-            batch.grads,
-            self.optimizer,
-            weight=batch.weight,
-            loss_scale=1.0 if scaling else None,
-            **self._compilation,
-            weight_in_loss=True,
-            noise_statistics=batch.noise_statistics,
-        )
+        ADAPTER.track_loss(self, loss, _normalizers.batch_size(x, y))
         return _step_logs(
             self, self.get_metrics_result(), _window_logs(accumulator, scaling)
         )
+
+    def test_step(self, data):
+        size = self._micro_batch_setting
+        if not isinstance(size, int):
+            # None, or "auto", whose test function passes its size.
+            return super().test_step(data)
+        return self._split_test_step(data, size)
+
+    def _split_test_step(self, data, size):
+        """`test_step` of a batch in slices of `size` rows (None: whole)."""
+        if size is None:
+            return super().test_step(data)
+        logs = _inference.test_batch(self, data, size, bool(self.jit_compile))
+        return ADAPTER.logs_for_replica_reduction(self, logs)
+
+    def predict_step(self, data):
+        size = self._micro_batch_setting
+        if not isinstance(size, int):
+            return super().predict_step(data)
+        return self._split_predict_step(data, size)
+
+    def _split_predict_step(self, data, size):
+        """`predict_step` of a batch in slices of `size` rows (None: whole)."""
+        if size is None:
+            return super().predict_step(data)
+        return _inference.predict_batch(self, data, size)
+
+    def make_test_function(self, force=False):
+        rebuilt = force or self.test_function is None
+        function = super().make_test_function(force=force)
+        if rebuilt and self._micro_batch_setting == "auto":
+            self.test_function = function = _auto.AutoInferenceFunction(
+                self, "test"
+            )
+        return function
+
+    def make_predict_function(self, force=False):
+        rebuilt = force or self.predict_function is None
+        function = super().make_predict_function(force=force)
+        if rebuilt and self._micro_batch_setting == "auto":
+            self.predict_function = function = _auto.AutoInferenceFunction(
+                self, "predict"
+            )
+        return function
 
     def make_train_function(self, force=False):
         # At every `fit` (and for every front end built on this class),
@@ -414,6 +461,7 @@ class AccumModel(
         return applied
 
     def fit(self, *args, **kwargs):
+        check_not_fit_arguments(kwargs)
         # The arguments go on as they came, to whichever `fit` is next (a
         # keras-hub task's takes `sample_weight` fourth); only `callbacks`
         # gains the epoch-end flush, first.
@@ -421,8 +469,19 @@ class AccumModel(
         args, kwargs = _epoch_end.with_flush_callback(
             self, self._accum_state, next_fit, args, kwargs
         )
-        with _auto.saying_what_to_set(self):
+        with (
+            _auto.saying_what_to_set(self),
+            self._accum_state.discarding_interrupted_batch(),
+        ):
             return next_fit(*args, **kwargs)
+
+    def evaluate(self, *args, **kwargs):
+        with _auto.saying_what_to_set(self):
+            return super().evaluate(*args, **kwargs)
+
+    def predict(self, *args, **kwargs):
+        with _auto.saying_what_to_set(self):
+            return super().predict(*args, **kwargs)
 
 
 AccumModel = ADAPTER.register_serializable(AccumModel)
@@ -445,15 +504,11 @@ def _window_logs(accumulator, scaling):
     logs = {}
     if accumulator.noise_scale is not None:
         logs["gradient_noise_scale"] = accumulator.noise_scale.b_simple
-    # In every precision: a NaN gradient can come with a finite loss (ReLU
-    # on a NaN input), which `TerminateOnNaN` never sees; a callback can
-    # stop on this count instead.
     adascale = accumulator.adascale
     if adascale is not None:
         logs["adascale_gain"] = adascale.gain
         logs["adascale_tau"] = adascale.tau
         logs["adascale_lr"] = adascale.learning_rate
-    logs["discarded_windows"] = accumulator.discarded_windows
     if scaling:
         # Where non-finite gradients are expected; elsewhere the logs stay
         # those of plain fit.

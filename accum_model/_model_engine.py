@@ -112,6 +112,30 @@ class ModelEngine(ADAPTER.saveable_base):
         return accumulator
 
     @contextlib.contextmanager
+    def discarding_interrupted_batch(self):
+        """Discards the window when an error ends a step part-way into it.
+
+        An error inside a training step (an out-of-memory error, most
+        often) can stop it after some of its gradients were added: the
+        window then holds part of a batch, which no later step could
+        complete, so it is discarded, with a warning, before the error goes
+        on.
+        """
+        try:
+            yield
+        except tf.errors.OpError:
+            accumulator = self.accumulator
+            if accumulator is not None and accumulator.batch_interrupted():
+                accumulator.reset()
+                warnings.warn(
+                    "A training step stopped with an error part-way into "
+                    "its batch: the open window of accumulated gradients, "
+                    "which holds part of that batch, is discarded.",
+                    stacklevel=3,
+                )
+            raise
+
+    @contextlib.contextmanager
     def without_window(self):
         """Saves made inside leave the window out (`save_plain`)."""
         self._without_window = True
@@ -208,6 +232,25 @@ class ModelEngine(ADAPTER.saveable_base):
                     stacklevel=2,
                 )
                 return
+
+    def epoch_logs(self):
+        """What an epoch's logs add: only what says something, as ints.
+
+        `discarded_windows` once a window was discarded (a NaN gradient can
+        come with a finite loss, which `TerminateOnNaN` never sees);
+        `micro_batch_size` when `"auto"` chose it.
+        """
+        model = self._model_ref()
+        logs = {}
+        if self.accumulator is not None:
+            discarded = int(self.accumulator.discarded_windows)
+            if discarded:
+                logs["discarded_windows"] = discarded
+        if model._micro_batch_setting == "auto" and isinstance(
+            model.micro_batch_size, int
+        ):
+            logs["micro_batch_size"] = model.micro_batch_size
+        return logs
 
     def warn_if_discarded(self):
         # Read once per epoch or flush, never per step: a host read would

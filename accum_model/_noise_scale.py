@@ -243,7 +243,7 @@ class NoiseScaleEstimator(tf.Module):
         """Bool scalar tensor: whether the open window is measured."""
         return tf.equal(self._windows % self.config.every, 0)
 
-    def add(self, contributions, weight, run_if, statistics=None):
+    def add(self, contributions, weight, run_if):
         """Adds one micro-batch that joins the window.
 
         Args:
@@ -251,13 +251,10 @@ class NoiseScaleEstimator(tf.Module):
                 (tensors, `IndexedSlices`, `None`).
             weight: Float32 scalar `w_k`.
             run_if: `run_if(pred, fn)`, the accumulator's conditional.
-            statistics: Optional `(sum_k w_k |g_k|^2, micro-batches)` when
-                `contributions` sum several micro-batches (a split batch),
-                added instead of this one's.
         """
 
         def fn():
-            q, n = statistics or microbatch_statistics(contributions, weight)
+            q, n = microbatch_statistics(contributions, weight)
             self._q.assign_add(q)
             # After the data, as the window's counters (the norm reads it).
             with tf.control_dependencies([q]):
@@ -267,6 +264,19 @@ class NoiseScaleEstimator(tf.Module):
             fn()
         else:
             run_if(self.measuring(), fn)
+
+    def add_sums(self, q, n):
+        """Adds a batch's sums over its slices, `(sum_k w_k |g_k|^2, n)`.
+
+        Returns:
+            The last addition's output, to order what must follow it.
+        """
+        if self.config.every != 1:
+            measuring = self.measuring()
+            q = tf.where(measuring, q, tf.zeros_like(q))
+            n = tf.where(measuring, n, tf.zeros_like(n))
+        self._q.assign_add(q)
+        return self._n.assign_add(n)
 
     def statistics(self, accumulators, weight):
         """This replica's estimate of its window, to be summed over replicas.

@@ -180,6 +180,44 @@ def term_normalizer(
     return loss_elements(loss_fn, y_true, y_pred, samples)
 
 
+def default(method):
+    """Marks `compute_loss_normalizer`'s default (`sums_over_batch` asks)."""
+    method.reads_compiled_loss = True
+    return method
+
+
+def sums_over_batch(adapter, model, y, y_pred, sample_weight):
+    """Whether the model's loss is a sum over the batch's rows.
+
+    True when every compiled loss term reduces by "sum" (or "none") and the
+    model's normalizer is the default, which reads them: a batch's loss is
+    then the sum of its slices' losses, and its weight in a window 1.
+
+    Args:
+        adapter: The Keras-generation adapter (`_keras.ADAPTER`).
+        model: The `AccumModel`.
+        y, y_pred, sample_weight: A slice, as in `compute_loss`.
+
+    Returns:
+        A Python bool (read while the step is traced).
+    """
+    if not getattr(model.compute_loss_normalizer, "reads_compiled_loss", False):
+        return False
+    terms = adapter.compiled_loss_terms(model, y, y_pred, sample_weight)
+    summed = bool(terms) and all(t[0] in ("sum", "none") for t in terms)
+    if summed and model.losses:
+        warnings.warn(
+            "The compiled loss uses reduction='sum', and the model has losses "
+            "of its own (`add_loss`, weight or activity regularizers): each "
+            "slice of a batch (`micro_batch_size`) adds them once, so the "
+            "batch's update counts them once per slice, not once. Give them "
+            "to the loss, or use a mean reduction, for the whole batch's "
+            "update.",
+            stacklevel=3,
+        )
+    return summed
+
+
 def loss_normalizer(adapter, model, x, y, y_pred, sample_weight):
     """The default `AccumModel.compute_loss_normalizer` (rules above).
 
@@ -207,6 +245,20 @@ def loss_normalizer(adapter, model, x, y, y_pred, sample_weight):
             "micro-batch gradients, 1/accum_steps of the large batch's "
             "summed gradient (for full windows). Multiply the learning rate "
             "by accum_steps for large-batch training with a summed loss.",
+            stacklevel=3,
+        )
+    if (
+        len(keys) == 1
+        and keys.isdisjoint({("samples",), ("one",)})
+        and (model.losses)
+    ):
+        warnings.warn(
+            "The compiled loss divides by something other than samples "
+            f"({sorted(k[0] for k in keys)[0]}), and the model has losses "
+            "of its own (`add_loss`, weight or activity regularizers), which "
+            "Keras adds to it unweighted: a micro-batch's weight then "
+            "weighs them too, so the update is not exactly the large "
+            "batch's for them (exact for the compiled loss).",
             stacklevel=3,
         )
     if len(keys) > 1:

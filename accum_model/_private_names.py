@@ -94,6 +94,8 @@ PRIVATE_NAMES = {
         "collective strategy, where its 3.15 `fit` needs two workarounds",
         "_train_counter": "tf_keras' count of training steps, which its "
         "own step function increments: so does `step_on_data`",
+        "_test_counter": "tf_keras' count of evaluation steps, likewise",
+        "_predict_counter": "tf_keras' count of prediction steps, likewise",
         "keras.src.backend.tensorflow": "Keras 3's `reduce_per_replica`, "
         "how its `fit` reduces a step's per-replica logs, for "
         "`step_on_data`",
@@ -130,7 +132,15 @@ PRIVATE_NAMES = {
         "was given (`AccumSettings`)",
     },
     "_auto.py": {
-        "_micro_batch_setting": _MICRO_BATCH_SETTING,
+        "_omit_frequent_tracing_warning": "an attribute of TensorFlow's "
+        "`tf.function`, set on the read of what an attempt may write, made "
+        "again for each slice size by design",
+        "_split_train_step": "`AccumModel`'s step of one batch in slices of "
+        "a given size, which the train function traces per size",
+        "_split_test_step": "`AccumModel`'s `test_step` in slices of a given "
+        "size, which the evaluate function traces per size",
+        "_split_predict_step": "`AccumModel`'s `predict_step` in slices of "
+        "a given size, which the predict function traces per size",
         "_micro_batch_capped": "whether an out-of-memory error capped the "
         'slice size `"auto"` runs with (kept by the model, set by its '
         "train function)",
@@ -155,6 +165,7 @@ PRIVATE_NAMES = {
             "_accumulators",
             "_adascale",
             "_apply_hooks",
+            "_compiled_updates",
             "_contributed",
             "_discarded",
             "_end_window",
@@ -170,14 +181,22 @@ PRIVATE_NAMES = {
         name: _ENGINE_PARTS
         for name in (
             "_accumulators",
+            "_batch_open",
+            "_batch_sums",
             "_contributed",
             "_micro_step",
             "_noise_scale",
             "_received",
             "_received_flags",
+            "_rows_added",
             "_skipped",
             "_weight_sum",
         )
+    },
+    "_split.py": {
+        "_compilation": "`jit_compile` and `compile_update` for the "
+        "engine's steps, from the model's `jit_compile` and what `compile` "
+        "was given (`AccumSettings`)",
     },
     "_multi_worker.py": {
         "_maybe_symbolic_build": "Keras 3's `fit` builds the model through "
@@ -196,12 +215,18 @@ PRIVATE_NAMES = {
             "_update_renorm_statistics",
         )
     },
+    "_inference.py": {
+        "_omit_frequent_tracing_warning": "an attribute of TensorFlow's "
+        "`tf.function`, set on the trace that gives a predict step's output "
+        "spec, made again by design for each trace of the step",
+    },
     "_epoch_end.py": {
         "_omit_frequent_tracing_warning": "an attribute of TensorFlow's "
         "`tf.function`, set on the epoch-end apply, which each model traces "
         "once (the warning would count the models of one process)",
     },
     "_model_engine.py": {
+        "_micro_batch_setting": _MICRO_BATCH_SETTING,
         "_obj_type": "what Keras 3's saving records for a `KerasSaveable`; "
         "the state says what kind of object it is",
     },

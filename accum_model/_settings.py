@@ -158,13 +158,17 @@ class AccumSettings:
     @micro_batch_size.setter
     def micro_batch_size(self, value):
         value = check_micro_batch_size(value)
-        if value == self._micro_batch_setting:
+        if value == self._micro_batch_setting and value != "auto":
             return
+        # `"auto"` again starts over: batches run whole until an
+        # out-of-memory error.
         self._micro_batch_setting = value
         self._micro_batch_chosen = None
         self._micro_batch_capped = False
-        # The slice size is part of the traced step.
+        # The slice size is part of the traced steps.
         self.train_function = None
+        self.test_function = None
+        self.predict_function = None
 
     @property
     def epoch_end(self):

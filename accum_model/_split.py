@@ -4,17 +4,21 @@
 rows in slices of at most `m`, inside the one compiled step: a
 `tf.while_loop` (one iteration at a time, so one slice's activations live
 at once) runs each slice's forward and backward pass, updates the compiled
-metrics with it, and adds its weighted gradients `w_k g_k` to sums the loop
-carries. After the loop the sums enter the window as one contribution of
-weight `W = sum_k w_k`, with the slices' noise-scale statistics, so the
-window counts batches as `fit` does: `sum_k w_k g_k / W` is the gradient
-of the batch's loss whatever the slices' sizes (docs/micro_batch.md).
+metrics with it, and adds its weighted gradients `w_k g_k` into the
+window's accumulators in place (`GradientAccumulator.add_slice`), each as
+soon as it exists. After the loop the batch ends as one micro-batch of the
+window, of weight `W = sum_k w_k` (`end_batch`): `sum_k w_k g_k / W` is the
+gradient of the batch's loss whatever the slices' sizes
+(docs/micro_batch.md). Nothing the size of the weights is carried beside
+the window.
 
-Nothing of the window, the optimizer or the weights is written inside the
-loop: an out-of-memory error there leaves them as they were, which is what
-lets `_auto` run the same batch again with smaller slices. What the
-forward pass writes itself (metrics, BatchNorm statistics, seed
-generators) `_auto` restores.
+A batch that may run again after an out-of-memory error (`resumable`,
+`micro_batch_size="auto"` outside XLA) keeps, per variable, the row up to
+which it holds the batch's gradient, and, in the batch's sums, the rows
+whose slices are all in: run again, it replays the forward pass of those
+rows only (for what the forward pass writes, which `_auto` put back) and
+adds the others, none twice. Under XLA a step that runs out of memory
+writes nothing.
 
 Slices are taken so that XLA sees static shapes: the full slices of `m`
 rows at a dynamic offset, then the rest of the batch, cut outside the loop
@@ -23,62 +27,41 @@ rows at a dynamic offset, then the rest of the batch, cut outside the loop
 
 import tensorflow as tf
 
-from accum_model import _contribution
 from accum_model import _keras
-from accum_model import _noise_scale
 from accum_model import _normalizers
 
 ADAPTER = _keras.ADAPTER
 
 
-class SplitBatch:
-    """What the loop over one batch's slices sums, for the window.
-
-    Attributes:
-        grads: One float32 gradient sum `sum_k w_k g_k` per variable (None
-            where no slice's loss reached the variable).
-        weight: Float32 scalar `W = sum_k w_k`.
-        loss: Float32 scalar, the batch's loss `sum_k w_k L_k / W`.
-        noise_statistics: `(sum_k w_k |g_k|^2, slices of weight > 0)`, or
-            None when the noise scale is not measured.
-    """
-
-    def __init__(self, grads, weight, loss, noise_statistics):
-        self.grads = grads
-        self.weight = weight
-        self.loss = loss
-        self.noise_statistics = noise_statistics
-
-
-def run_slices(
-    model, data, micro_batch_size, variables, scale, measure, xla=False
-):
-    """Runs the forward and backward pass of `data` in slices.
+def train_batch(model, accumulator, data, size, *, scale, xla, resumable):
+    """Runs one batch into the window, in slices of `size` rows.
 
     Args:
         model: The `AccumModel` (its forward pass, loss, normalizer and
             compiled metrics are used).
+        accumulator: Its `GradientAccumulator`.
         data: The batch, as `train_step` receives it.
-        micro_batch_size: Python int >= 1, the rows of a full slice.
-        variables: The variables whose gradients are summed.
+        size: Python int >= 1, the rows of a full slice; None: the batch is
+            one slice, with no loop.
         scale: None, or the loss scale (float32 scalar) of a
             `LossScaleOptimizer`: each slice's loss is multiplied by it, and
             its gradients divided by it in float32.
-        measure: Bool, whether to sum the noise-scale statistics.
         xla: Bool, whether the step is compiled by XLA.
+        resumable: Bool, whether the batch may run again after an
+            out-of-memory error (see the module). Never under XLA.
 
     Returns:
-        A `SplitBatch`.
+        The batch's loss and weight, as `GradientAccumulator.end_batch`.
     """
     x, y, sample_weight = ADAPTER.unpack(data)
     batch = (x, y, sample_weight)
-    rows = tf.cast(_normalizers.batch_size(x, y), tf.int32)
-    size = micro_batch_size
-    full = rows // size
-    received = [False] * len(variables)
+    rows = tf.cast(_normalizers.batch_size(x, y), tf.int64)
+    variables = accumulator.updated_variables
+    # Found while a slice is traced, read after the loop.
+    summed = []
 
-    def one_slice(part):
-        """`(w_k g_k, w_k, w_k L_k, w_k |g_k|^2)` of one slice."""
+    def full(part, start, count):
+        """One slice's forward and backward pass, into the window."""
         px, py, psw = part
         with tf.GradientTape() as tape:
             y_pred = ADAPTER.forward(model, px)
@@ -90,95 +73,137 @@ def run_slices(
                 )
             )
             objective = ADAPTER.unscale_loss_for_distribution(loss)
-            # As in `AccumModel.train_step`: the weight goes into the loss,
-            # except under loss scaling (float16 gradients could overflow).
             objective = objective * tf.cast(
                 weight if scale is None else scale, objective.dtype
             )
+        if not summed:
+            summed.append(
+                _normalizers.sums_over_batch(ADAPTER, model, py, y_pred, psw)
+            )
         grads = tape.gradient(objective, variables)
         ADAPTER.update_metrics(model, px, py, y_pred, psw)
-        for i, g in enumerate(grads):
-            received[i] = received[i] or g is not None
-        contributions = _contribution.in_float32(
-            grads, None if scale is None else weight / scale
+        accumulator.add_slice(
+            grads,
+            weight,
+            loss,
+            rows=count,
+            rows_end=start + count,
+            scale=scale,
+            resumable=resumable,
         )
-        # Scalars, also where the trace sees a slice of no rows (the rest of
-        # a batch of static shape that `m` divides: never run), for which
-        # Keras may give a loss of shape `(0,)`.
-        loss = tf.reduce_sum(tf.cast(loss, tf.float32))
-        weight = tf.reduce_sum(weight)
-        # A slice of no weight (an empty shard) has a 0/0 mean loss.
-        weighted_loss = tf.where(weight > 0.0, weight * loss, 0.0)
-        statistics = (0.0, 0.0)
-        if measure:
-            statistics = _noise_scale.microbatch_statistics(
-                contributions, weight
-            )
-        return contributions, weight, weighted_loss, statistics
 
-    def add(sums, part):
-        contributions, weight, weighted_loss, (q_k, n_k) = one_slice(part)
-        grads, w, wl, q, n = sums
-        grads = [_add(s, c) for s, c in zip(grads, contributions)]
-        return grads, w + weight, wl + weighted_loss, q + q_k, n + n_k
+    def replay(part):
+        """The forward pass of a slice already in the window."""
+        px, py, psw = part
+        y_pred = ADAPTER.forward(model, px)
+        ADAPTER.update_metrics(model, px, py, y_pred, psw)
 
-    zero = tf.constant(0.0)
-    sums = (
-        [tf.zeros(v.shape, tf.float32) for v in variables],
-        zero,
-        zero,
-        zero,
-        zero,
+    if size is None:
+        full(batch, tf.constant(0, tf.int64), rows)
+    elif resumable:
+        # Rows whose slices are in: those of an attempt that ran out of
+        # memory after them.
+        done = tf.cast(accumulator.batch_rows(), tf.int64)
+        _loop(batch, 0, done, size, lambda part, start, count: replay(part))
+        _loop(batch, done, rows, size, full)
+    else:
+
+        def body(part, start, count, carried):
+            full(part, start, count)
+            return carried
+
+        stacked_loop(batch, rows, size, xla, body)
+    return accumulator.end_batch(
+        model.optimizer,
+        summed=bool(summed and summed[0]),
+        **model._compilation,
     )
 
-    # The full slices stacked on a new axis, taken by index in the loop: a
-    # static shape, which XLA compiles also for a batch shorter than `m`.
-    stacked = tf.nest.map_structure(lambda t: _stack(t, full, size, xla), batch)
 
-    def full_slice(i, sums):
-        part = tf.nest.map_structure(lambda t: _take(t, i, size), stacked)
-        return i + 1, add(sums, part)
+def _loop(batch, start, stop, size, body):
+    """`body(part, start, count)` for the slices of rows `[start, stop)`.
+
+    Slices of `size` rows (the last one shorter), cut at dynamic offsets:
+    graph mode only.
+    """
+    start = tf.cast(start, tf.int64)
+    size = tf.constant(size, tf.int64)
+
+    def step(begin):
+        count = tf.minimum(size, stop - begin)
+        part = tf.nest.map_structure(lambda t: rows_of(t, begin, count), batch)
+        body(part, begin, count)
+        return begin + count
 
     # One iteration at a time: a second one started early would hold its
     # slice's activations beside the first's.
-    _, sums = tf.while_loop(
+    tf.while_loop(
+        lambda begin: begin < stop,
+        step,
+        (start,),
+        parallel_iterations=1,
+    )
+
+
+def stacked_loop(batch, rows, size, xla, body, carried=()):
+    """`carried = body(part, start, count, carried)` over the batch's slices.
+
+    The full slices stacked on a new axis, taken by index in the loop: a
+    static shape, which XLA compiles also for a batch shorter than `size`;
+    then the rest, cut outside the loop.
+
+    Returns:
+        `carried` after the last slice (a tuple of tensors).
+    """
+    full = rows // size
+    stacked = tf.nest.map_structure(lambda t: stack(t, full, size, xla), batch)
+    size64 = tf.constant(size, tf.int64)
+
+    def full_slice(i, carried):
+        part = tf.nest.map_structure(lambda t: take(t, i, size), stacked)
+        return i + 1, body(part, i * size64, size64, carried)
+
+    # One iteration at a time: a second one started early would hold its
+    # slice's activations beside the first's.
+    _, carried = tf.while_loop(
         lambda i, _: i < full,
         full_slice,
-        (tf.constant(0), sums),
+        (tf.constant(0, tf.int64), carried),
         parallel_iterations=1,
     )
-    start = full * size
-    rest = tf.nest.map_structure(lambda t: _rows(t, start, rows - start), batch)
-    _, sums = tf.while_loop(
+    start = full * size64
+    rest = tf.nest.map_structure(
+        lambda t: rows_of(t, start, rows - start), batch
+    )
+
+    def rest_slice(i, carried):
+        return i + 1, body(rest, start, rows - start, carried)
+
+    # A loop of at most one trip: a slice of no rows (the rest of a batch
+    # that `size` divides) never runs.
+    _, carried = tf.while_loop(
         lambda i, _: i < tf.minimum(rows - start, 1),
-        lambda i, sums: (i + 1, add(sums, rest)),
-        (tf.constant(0), sums),
+        rest_slice,
+        (tf.constant(0, tf.int64), carried),
         parallel_iterations=1,
     )
-    grads, weight, weighted_loss, q, n = sums
-    grads = [g if r else None for g, r in zip(grads, received)]
-    return SplitBatch(
-        grads,
-        weight,
-        tf.math.divide_no_nan(weighted_loss, weight),
-        (q, n) if measure else None,
-    )
+    return carried
 
 
-def _stack(t, count, size, xla):
+def stack(t, count, size, xla):
     """The first `count * size` rows of a dense `t` as `[count, size, ...]`.
 
     Under XLA with one slice of zeros after them: XLA compiles the loop's
     body for the batch's shape also when it holds no full slice (a short
     last batch), and a slice of an empty axis does not compile. Ragged and
-    sparse tensors stay as they are (`_take` slices them).
+    sparse tensors stay as they are (`take` slices them).
     """
     if t is None or isinstance(t, (tf.RaggedTensor, tf.SparseTensor)):
         return t
     t = tf.convert_to_tensor(t)
     if t.shape.rank == 0:
         return t
-    shape = tf.shape(t)
+    shape = tf.shape(t, out_type=tf.int64)
     stacked = tf.reshape(
         t[: count * size], tf.concat([[count, size], shape[1:]], 0)
     )
@@ -187,44 +212,31 @@ def _stack(t, count, size, xla):
     return stacked
 
 
-def _take(stacked, i, size):
-    """Slice `i` of `size` rows, from what `_stack` made of a tensor."""
+def take(stacked, i, size):
+    """Slice `i` of `size` rows, from what `stack` made of a tensor."""
     if stacked is None or stacked.shape.rank == 0:
         return stacked
     if isinstance(stacked, (tf.RaggedTensor, tf.SparseTensor)):
-        return _rows(stacked, i * size, size)
+        return rows_of(stacked, i * size, size)
     return stacked[i]
 
 
-def _rows(t, start, size):
+def rows_of(t, start, size):
     """Rows `[start, start + size)` of a batch's tensor (None stays None)."""
     if t is None:
         return None
+    start = tf.cast(start, tf.int64)
+    size = tf.cast(size, tf.int64)
     if isinstance(t, tf.SparseTensor):
         rank = tf.shape(t.dense_shape)[0]
         begin = tf.concat([[start], tf.zeros([rank - 1], tf.int64)], 0)
         extent = tf.concat([[size], t.dense_shape[1:]], 0)
-        return tf.sparse.slice(
-            t, tf.cast(begin, tf.int64), tf.cast(extent, tf.int64)
-        )
+        return tf.sparse.slice(t, begin, extent)
     if isinstance(t, tf.RaggedTensor):
         return t[start : start + size]
     t = tf.convert_to_tensor(t)
     if t.shape.rank == 0:
         return t
-    begin = tf.concat([[start], tf.zeros([t.shape.rank - 1], tf.int32)], 0)
-    extent = tf.concat([[size], -tf.ones([t.shape.rank - 1], tf.int32)], 0)
+    begin = tf.concat([[start], tf.zeros([t.shape.rank - 1], tf.int64)], 0)
+    extent = tf.concat([[size], -tf.ones([t.shape.rank - 1], tf.int64)], 0)
     return tf.slice(t, begin, extent)
-
-
-def _add(total, contribution):
-    """`total + contribution`, a sparse one added by its rows only."""
-    if contribution is None:
-        return total
-    if isinstance(contribution, tf.IndexedSlices):
-        return tf.tensor_scatter_nd_add(
-            total,
-            tf.expand_dims(tf.cast(contribution.indices, tf.int64), -1),
-            contribution.values,
-        )
-    return total + contribution

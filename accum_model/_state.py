@@ -11,6 +11,8 @@ memory count all read the one `WindowState`:
   accumulators, which the next window's first micro-batch overwrites).
 - `setting`: a setting held as a variable so that changing it does not
   retrace; a model restores it from its config, so it is not saved.
+- `batch`: a batch on its way into the window (`_contribution`): zero
+  between batches, so never saved.
 
 A file holds each saved variable under its name (`save`); `load` matches by
 name and refuses a file that lacks an entry this state needs or holds one
@@ -38,6 +40,7 @@ FIRST = tf.VariableAggregation.ONLY_FIRST_REPLICA
 WINDOW = "window"
 LIFETIME = "lifetime"
 SETTING = "setting"
+BATCH = "batch"
 
 Entry = collections.namedtuple(
     "Entry", ["name", "dtype", "aggregation", "role", "initial"]
@@ -66,6 +69,31 @@ ENGINE = (
 # it ever received a gradient, one element of a vector over the variables).
 ACCUMULATOR = Entry("accumulator", tf.float32, SUM, LIFETIME)
 RECEIVED = Entry("received", tf.int64, FIRST, LIFETIME)
+# A batch entering the window in slices (`_contribution`). `open`: 1 from
+# the first addition of a batch to its end, so a batch cut short by an
+# error is seen. `sums`: what its slices added so far (`BATCH_SUMS`), one
+# vector written by one operation per slice, after the slice's additions.
+# Per replica, like the accumulators.
+BATCH_STATE = (
+    Entry("open", tf.int64, FIRST, BATCH),
+    Entry("sums", tf.float32, SUM, BATCH),
+)
+BATCH_SUMS = (
+    # Rows whose slices are in: added, or left out as not finite.
+    "rows",
+    # The weight of the added slices, and of all (for the logged loss).
+    "weight",
+    "loss_weight",
+    "weighted_loss",
+    # The noise scale's sums of the added slices.
+    "squared_norm_sum",
+    "micro_batches",
+    "added",
+    "non_finite",
+)
+# Per accumulated variable: the row up to which it holds the open batch's
+# gradient (a batch that may be run again after an out-of-memory error).
+ROWS_ADDED = Entry("rows_added", tf.int64, FIRST, BATCH)
 # `_noise_scale.NoiseScaleEstimator`.
 NOISE_SCALE = (
     Entry("squared_norm_sum", tf.float32, SUM, WINDOW),
@@ -106,8 +134,10 @@ def declare_engine(state, variables, accum_steps):
         accum_steps: Int, the initial window length.
 
     Returns:
-        `(engine, accumulators, received)`: a dict from `ENGINE`'s names to
-        variables, one accumulator per variable, and the `received` vector.
+        `(engine, accumulators, received, batch)`: a dict from `ENGINE`'s
+        names to variables, one accumulator per variable, the `received`
+        vector, and a dict of the batch state: `BATCH_STATE`'s names, and
+        `rows_added`, one per variable.
     """
     engine = {
         e.name: state.declare(
@@ -127,7 +157,19 @@ def declare_engine(state, variables, accum_steps):
         RECEIVED,
         [item_name("received", i, p) for i, p in enumerate(paths)],
     )
-    return engine, accumulators, received
+    batch = {
+        e.name: state.declare(
+            f"batch/{e.name}",
+            e,
+            shape=(len(BATCH_SUMS),) if e.name == "sums" else (),
+        )
+        for e in BATCH_STATE
+    }
+    batch["rows_added"] = [
+        state.declare(item_name("rows_added", i, p), ROWS_ADDED)
+        for i, p in enumerate(paths)
+    ]
+    return engine, accumulators, received, batch
 
 
 def variable_path(variable):
@@ -155,6 +197,9 @@ class WindowState(tf.Module):
         # For the per-variable `received` vector: the names of its elements.
         self._vector_items = {}
         self._items = {}
+        # Declared by layers (`declare_item`): written by their forward
+        # pass.
+        self._item_variables = []
 
     def declare(self, name, entry, shape=(), dtype=None, initial=None):
         """Creates the variable `name` of `entry`, eagerly.
@@ -213,9 +258,11 @@ class WindowState(tf.Module):
             A dict from entry name to variable.
         """
         self._items[group] = index = self._items.get(group, -1) + 1
-        return self.declare_group(
+        declared = self.declare_group(
             item_name(group, index, path), entries, shape, dtype
         )
+        self._item_variables.extend(declared.values())
+        return declared
 
     def declare_vector(self, name, entry, item_names):
         """Declares a vector with one element per item, saved per item.
@@ -247,12 +294,20 @@ class WindowState(tf.Module):
         """The variable `name`."""
         return self._variables[name]
 
+    def item_variables(self):
+        """The variables layers declared, which their forward pass writes."""
+        return list(self._item_variables)
+
     def window_variables(self):
         """The variables zeroed when a window ends."""
         return [self._variables[n] for n in self.names(WINDOW)]
 
+    def batch_variables(self):
+        """The variables of a batch in progress, zero between batches."""
+        return [self._variables[n] for n in self.names(BATCH)]
+
     def saved_variables(self):
-        """The variables a checkpoint holds: all but the settings."""
+        """The variables a checkpoint holds: neither settings nor batches."""
         return [v for _, v in self._saved()]
 
     # Files
@@ -296,7 +351,7 @@ class WindowState(tf.Module):
         return [
             (n, v)
             for n, v in self._variables.items()
-            if self._roles[n] != SETTING
+            if self._roles[n] not in (SETTING, BATCH)
         ]
 
     def _keys(self, name):

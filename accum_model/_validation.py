@@ -74,6 +74,33 @@ def check_micro_batch_size(micro_batch_size):
     )
 
 
+# The settings of an accumulating model, which `fit` does not take.
+SETTINGS = (
+    "accum_steps",
+    "micro_batch_size",
+    "epoch_end",
+    "noise_scale",
+    "adascale",
+)
+
+
+def check_not_fit_arguments(kwargs):
+    """Raises `TypeError` for a setting of the model passed to `fit`.
+
+    Keras' own message ("got an unexpected keyword argument") says nothing
+    of where the setting goes.
+    """
+    for name in SETTINGS:
+        if name in kwargs:
+            raise TypeError(
+                f"`fit` does not take `{name}`: it is a setting of the "
+                f"model. Pass it to the model's constructor (`AccumModel(..., "
+                f"{name}=...)`) or to `accum_model.accumulate(model, "
+                f"{name}=...)`, or set `model.{name}` before `fit`. "
+                f"Received: {name}={kwargs[name]!r}"
+            )
+
+
 def check_epoch_end(epoch_end):
     """Returns `epoch_end` if it is a known mode, else raises `ValueError`."""
     if not isinstance(epoch_end, str) or epoch_end not in EPOCH_END_MODES:

@@ -51,6 +51,9 @@ def run_one(run, config, queue):
     """Trains one run in this (fresh) process; puts its results on `queue`."""
     if config["limit"]:
         os.environ["TF_CPU_BFC_MEM_LIMIT_IN_MB"] = str(config["limit"])
+        # TensorFlow's oneDNN matrix multiply crashes (SIGSEGV) when its
+        # output's allocation fails, where the other kernels raise.
+        os.environ["TF_ENABLE_ONEDNN_OPTS"] = "0"
     peak_memory.prepare_process("cpu")
     import numpy as np
     import tensorflow as tf

@@ -1,15 +1,24 @@
 """`micro_batch_size="auto"` under a real memory limit.
 
-The runs under the limit happen in one subprocess (tests/memory_worker.py):
-TensorFlow's CPU allocator takes its limit once, at start-up
-(`TF_CPU_ALLOCATOR_USE_BFC=true TF_CPU_BFC_MEM_LIMIT_IN_MB`), and a step
-that needs more raises a real `tf.errors.ResourceExhaustedError`. The
-references train here, without a limit: plain `keras.Model` fit at the
-whole batch, and, where Dropout draws per slice, `micro_batch_size` fixed
-per batch to the sizes the run under the limit used.
+The runs under the limit happen in subprocesses (tests/memory_worker.py),
+started together: TensorFlow's CPU allocator takes its limit once, at
+start-up (`TF_CPU_ALLOCATOR_USE_BFC=true TF_CPU_BFC_MEM_LIMIT_IN_MB`), and a
+step that needs more raises a real `tf.errors.ResourceExhaustedError`,
+after waiting about 10 s for memory. The references train here, without a
+limit: plain `keras.Model` fit at the whole batch, `accum_steps` at the
+whole batch, or, where a layer sees its slice (BatchNorm in training,
+Dropout), `micro_batch_size` fixed per batch to the sizes the run under
+the limit used. Under `MirroredStrategy` the reference runs in the same
+subprocess, after the run, at the sizes it used (they fit).
+
+Each scenario's lengths and limit were chosen for where its errors come:
+`partial_additions` records, at each retry, how many variables had added
+rows of the failed attempt; the tests check that the scenario is the one
+they mean.
 """
 
 import json
+import logging
 import math
 import os
 import subprocess
@@ -25,24 +34,76 @@ from tests import testing_utils as tu
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _WORKER = os.path.join(_ROOT, "tests", "memory_worker.py")
-# Plain fit at 256 rows of 64 steps peaks near 105 MiB on this model (128
-# rows of 128 steps alike), at half the rows near half of it. Each
-# out-of-memory error costs about 10 s: TensorFlow's allocator waits that
-# long for memory to be freed before it raises. So the runs are few.
-_LIMIT_MIB = 70
-_RUNS = {
-    # A batch of 64 steps does not fit whole; then one of 128 steps does
-    # not fit in the size the first chose.
-    "auto": "auto:64,128",
-    # With Dropout, AccumBatchNormalization (Keras 3) and the noise scale:
-    # a batch of 8 steps runs whole, one of 64 runs out of memory.
-    "extras": "auto:8,64:extras",
-    "int": "200:64",
-    "accum_steps": "accum:64",
-    # Batches of 8 steps train whole; validation at 256 rows of 128 steps
-    # does not fit, and "auto" splits training steps only.
-    "validation": "auto:8:validation",
+# Plain fit of 256 rows of 48 steps peaks near 95 MiB on this model, 128
+# rows near 53; 96 steps about twice that.
+_LIMIT_MIB = 75
+# Subprocesses, run at once (each error waits on the allocator), and their
+# runs: `NAME=MODE:LENGTHS[:OPTION...]` (see memory_worker).
+_PROCESSES = {
+    "single": (
+        1,
+        {
+            # The whole batch of 48 steps does not fit, nor 128 rows of 96
+            # steps later.
+            "auto": "auto:48,96",
+            "int": "200:96",
+            "int_evaluate": "200:96:evaluate",
+            "accum_steps": "accum:96",
+        },
+    ),
+    "window_partial": (
+        1,
+        {
+            # Batches of 8 steps run whole; one of 60 steps opens no window
+            # (accum_steps=2): its retries add to a window that holds the
+            # first batch.
+            "window_partial": "auto:8,60:window",
+        },
+    ),
+    "extras": (
+        1,
+        {
+            # AccumBatchNormalization, the noise scale and Dropout.
+            "extras": "auto:8,48:bn:dropout",
+            # Batches of 8 steps train whole; validation at 256 rows of 128
+            # steps does not fit whole.
+            "validation": "auto:8:validation",
+        },
+    ),
+    "window_mixed": (
+        1,
+        {
+            "window_bn": "auto:8,64:bn:window",
+            "mixed_bn": "auto:48:bn:mixed",
+        },
+    ),
+    "mirrored": (2, {"mirrored_bn": "auto:48,96:bn"}),
 }
+
+
+def _run_workers(directory, processes, env):
+    """Runs `{name: (replicas, runs)}` in subprocesses at once."""
+    started = []
+    for replicas, runs in processes.values():
+        command = [sys.executable, _WORKER, directory]
+        if replicas > 1:
+            command.append(f"--replicas={replicas}")
+        command += [f"{name}={spec}" for name, spec in runs.items()]
+        started.append(
+            subprocess.Popen(
+                command,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+            )
+        )
+    failures = []
+    for process in started:
+        output, _ = process.communicate(timeout=900)
+        if process.returncode:
+            failures.append(output.decode()[-3000:])
+    if failures:
+        raise AssertionError("\n\n".join(failures))
 
 
 def _load(path):
@@ -50,6 +111,10 @@ def _load(path):
     result = json.loads(str(arrays["result"]))
     weights = [arrays[f"w{i}"] for i in range(len(arrays.files) - 1)]
     return result, weights
+
+
+def _sizes(result):
+    return "/".join(str(s) for s in result["sizes"])
 
 
 class AutoUnderLimitTest(parameterized.TestCase):
@@ -63,30 +128,50 @@ class AutoUnderLimitTest(parameterized.TestCase):
             TF_CPP_MIN_LOG_LEVEL="3",
             TF_CPU_ALLOCATOR_USE_BFC="true",
             TF_CPU_BFC_MEM_LIMIT_IN_MB=str(_LIMIT_MIB),
+            # TensorFlow's oneDNN matrix multiply crashes (SIGSEGV) when its
+            # output's allocation fails, where the other kernels raise.
+            TF_ENABLE_ONEDNN_OPTS="0",
+            # One operation at a time: where in a step the allocator gives
+            # up, what each scenario is about, does not depend on how
+            # threads interleave (on a busy machine, for one).
+            TF_NUM_INTEROP_THREADS="1",
         )
-        runs = [f"{name}={spec}" for name, spec in _RUNS.items()]
-        subprocess.run(
-            [sys.executable, _WORKER, cls._dir, *runs],
-            env=env,
-            check=True,
-            timeout=600,
-            capture_output=True,
-        )
-        cls.results = {
-            name: _load(os.path.join(cls._dir, f"{name}.npz")) for name in _RUNS
+        _run_workers(cls._dir, _PROCESSES, env)
+        results = {
+            name: _load(os.path.join(cls._dir, f"{name}.npz"))
+            for _, runs in _PROCESSES.values()
+            for name in runs
         }
+        # The reference of the run on two replicas, without a limit, at the
+        # sizes that run used: in a process of two logical devices too.
+        sizes = _sizes(results["mirrored_bn"][0])
+        references = {
+            "mirrored": (2, {"mirrored_bn_reference": f"{sizes}:48,96:bn"})
+        }
+        env.pop("TF_CPU_BFC_MEM_LIMIT_IN_MB")
+        _run_workers(cls._dir, references, env)
+        results["mirrored_bn_reference"] = _load(
+            os.path.join(cls._dir, "mirrored_bn_reference.npz")
+        )
+        cls.results = results
 
-    def assert_same_training(self, run, reference, atol=1e-5):
+    def assert_same_training(self, run, reference, atol=1e-5, plain=False):
         result, weights = run
         expected, expected_weights = reference
         self.assertEqual(result["error"], "")
+        if not plain:
+            # Plain fit on a dataset of unknown length counts one more
+            # update at the epoch's end, on an iterator that ran dry.
+            self.assertEqual(result["iterations"], expected["iterations"])
         self.assertEqual(len(weights), len(expected_weights))
         for w, e in zip(weights, expected_weights):
             np.testing.assert_allclose(w, e, atol=atol)
+        # One `fit` per batch in some references: an epoch's mean over
+        # equal batches.
         for key in ("loss", "accuracy"):
             np.testing.assert_allclose(
-                result["history"][key],
-                expected["history"][key],
+                np.mean(result["history"][key]),
+                np.mean(expected["history"][key]),
                 rtol=1e-5,
                 err_msg=key,
             )
@@ -103,44 +188,112 @@ class AutoUnderLimitTest(parameterized.TestCase):
         self.assertEqual(result["micro_batch_size"], second)
         halvings = [w for w in result["warnings"] if "runs again" in w]
         self.assertLen(halvings, round(math.log2(memory_worker.BATCH / second)))
-        # One update per batch, as plain fit makes: nothing applied twice,
-        # nothing lost.
+        # Some variables had added the failed attempt's gradient: the batch
+        # opened its window, and its rerun overwrote them.
+        self.assertTrue(any(result["partial_additions"]))
         self.assertEqual(result["iterations"], 2)
         self.assertLess(result["peak_mib"], _LIMIT_MIB)
         self.assert_same_training(
-            run, memory_worker.train("plain", [64, 128], False)
+            run, memory_worker.train("plain", [48, 96]), plain=True
+        )
+
+    def test_retry_mid_window_adds_nothing_twice(self):
+        # The window holds the first batch when the second runs out of
+        # memory with some variables' additions done: they are not added
+        # again (once added twice, the weights are 1e-3 off).
+        run = self.results["window_partial"]
+        result, _ = run
+        self.assertTrue(any(result["partial_additions"]))
+        self.assertEqual(result["sizes"][0], memory_worker.BATCH)
+        self.assert_same_training(
+            run, memory_worker.train("accum", [8, 60], ["window"])
         )
 
     def test_retry_restores_what_the_failed_attempts_wrote(self):
-        # Dropout (its seed generator), AccumBatchNormalization (Keras 3),
-        # the noise scale and the metrics, against a run without a limit
-        # that used, per batch, the size the retries arrived at.
+        # Dropout (its seed generator), AccumBatchNormalization, the noise
+        # scale and the metrics, against a run without a limit that used,
+        # per batch, the size the retries arrived at.
         run = self.results["extras"]
-        result, weights = run
+        result, _ = run
         self.assertNotEmpty(result["warnings"])
         self.assertEqual(result["sizes"][0], memory_worker.BATCH)
-        sizes = "/".join(str(s) for s in result["sizes"])
-        reference = memory_worker.train(sizes, [8, 64], True)
-        # One `fit` per batch there: the epoch's mean over equal batches.
-        reference[0]["history"] = {
-            k: [np.mean(v)] for k, v in reference[0]["history"].items()
-        }
+        reference = memory_worker.train(
+            _sizes(result), [8, 48], ["bn", "dropout"]
+        )
         self.assert_same_training(run, reference)
-        self.assertEqual(result["noise_scale"], reference[0]["noise_scale"])
-        self.assertEqual(result["iterations"], 2)
+        np.testing.assert_allclose(
+            result["noise_scale"], reference[0]["noise_scale"], rtol=1e-5
+        )
 
-    def test_validation_out_of_memory_says_what_to_pass(self):
-        result, _ = self.results["validation"]
-        self.assertIn("validation_batch_size", result["error"])
-        self.assertIn("OOM when allocating", result["error"])
+    def test_mid_window_with_accum_batchnorm(self):
+        # accum_steps=2: the second batch runs out of memory while the
+        # window holds the first; its errors come before any addition.
+        run = self.results["window_bn"]
+        result, _ = run
+        self.assertEqual(result["partial_additions"], [0, 0])
+        self.assertEqual(result["iterations"], 1)
+        reference = memory_worker.train(
+            _sizes(result), [8, 64], ["bn", "window"]
+        )
+        self.assert_same_training(run, reference)
+        np.testing.assert_allclose(
+            result["noise_scale"], reference[0]["noise_scale"], rtol=1e-5
+        )
+
+    def test_mixed_float16(self):
+        # The loss scale moves once per batch, not once per attempt: its
+        # run equals one without a limit.
+        run = self.results["mixed_bn"]
+        result, _ = run
+        self.assertNotEmpty(result["warnings"])
+        reference = memory_worker.train(_sizes(result), [48], ["bn", "mixed"])
+        self.assert_same_training(run, reference, atol=1e-3)
+        np.testing.assert_allclose(
+            result["noise_scale"], reference[0]["noise_scale"], rtol=1e-3
+        )
+
+    def test_mirrored_strategy_on_two_devices(self):
+        # Each replica halves its own shard's slices and keeps its own
+        # window state; the reference ran after it, at its sizes.
+        run = self.results["mirrored_bn"]
+        result, _ = run
+        self.assertNotEmpty(result["warnings"])
+        self.assertEqual(result["iterations"], 2)
+        reference = self.results["mirrored_bn_reference"]
+        self.assertEqual(reference[0]["warnings"], [])
+        self.assert_same_training(run, reference)
+        np.testing.assert_allclose(
+            result["noise_scale"], reference[0]["noise_scale"], rtol=1e-5
+        )
+
+    def test_validation_splits_too(self):
+        # Validation at the whole batch does not fit: it halves for
+        # evaluation alone, and its loss and metrics are plain fit's.
+        run = self.results["validation"]
+        result, _ = run
+        self.assertEqual(result["error"], "")
+        self.assertTrue(any("evaluate" in w for w in result["warnings"]))
+        # Training's own size stayed: its batches ran whole.
+        self.assertEqual(result["micro_batch_size"], memory_worker.BATCH)
+        reference = memory_worker.train("plain", [8], ["validation"])
+        for key in ("val_loss", "val_accuracy"):
+            np.testing.assert_allclose(
+                result["history"][key],
+                reference[0]["history"][key],
+                rtol=1e-5,
+                err_msg=key,
+            )
 
     @parameterized.named_parameters(
         ("int", "int", "Set a smaller micro_batch_size"),
+        ("int_evaluate", "int_evaluate", "Set a smaller micro_batch_size"),
         ("accum_steps", "accum_steps", 'Set micro_batch_size="auto"'),
     )
     def test_without_auto_the_error_says_what_to_set(self, name, advice):
         result, _ = self.results[name]
         self.assertIn(advice, result["error"])
+        # Once, also where `fit` and `evaluate` both say it.
+        self.assertEqual(result["error"].count("A step ran out of memory"), 1)
         self.assertIn("OOM when allocating", result["error"])
         self.assertEqual(result["iterations"], 0)
 
@@ -163,7 +316,9 @@ class AutoTest(parameterized.TestCase):
         )
         history = model.fit(x, y, batch_size=16, epochs=2, verbose=0)
         self.assertEqual(model.micro_batch_size, 16)
-        self.assertEqual(history.history["micro_batch_size"], [16.0, 16.0])
+        # In the epochs' logs, as an int.
+        self.assertEqual(history.history["micro_batch_size"], [16, 16])
+        self.assertIsInstance(history.history["micro_batch_size"][0], int)
         self.assertEqual(model.get_config()["micro_batch_size"], "auto")
         self.assertEqual(int(model.optimizer.iterations), 8)
         model.fit(x, y, batch_size=16, epochs=1, verbose=0)
@@ -171,6 +326,32 @@ class AutoTest(parameterized.TestCase):
         # No out-of-memory error capped it: a larger batch runs whole.
         model.fit(x, y, batch_size=32, epochs=1, verbose=0)
         self.assertEqual(model.micro_batch_size, 32)
+        # "auto" again starts over.
+        model.micro_batch_size = "auto"
+        self.assertEqual(model.micro_batch_size, "auto")
+
+    def test_no_retracing_warning_from_the_package(self):
+        import accum_model
+        from accum_model._keras import keras
+
+        x, y = tu.classification_data(96, in_dim=6)
+        model = tu.mlp(
+            accum_model.AccumModel, in_dim=6, micro_batch_size="auto"
+        )
+        model.compile(
+            optimizer="sgd",
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        )
+        logger = logging.getLogger("tensorflow")
+        with self.assertLogs(logger, level="WARNING") as captured:
+            logger.warning("The capture's own line.")
+            for batch_size in (8, 16, 24, 32, 48, 96, 8):
+                model.fit(x, y, batch_size=batch_size, verbose=0)
+                model.evaluate(x, y, batch_size=batch_size, verbose=0)
+                model.predict(x, batch_size=batch_size, verbose=0)
+        self.assertEqual(
+            [line for line in captured.output if "retracing" in line], []
+        )
 
 
 if __name__ == "__main__":

@@ -404,6 +404,141 @@ class SplitFitTest(parameterized.TestCase):
         self.assert_like_plain(plain, split)
 
 
+class _MeanOfActivations(keras.layers.Layer):
+    """Adds the mean over the batch of its inputs' squares, as a loss."""
+
+    def call(self, inputs):
+        self.add_loss(0.01 * tf.reduce_mean(tf.square(inputs)))
+        return inputs
+
+
+def _loss_model(cls, case, **kwargs):
+    """The model of a `LossTest` case: one output, or two with weights."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((6,))
+    regularizer = (
+        keras.regularizers.L2(0.01) if case == "regularizers" else None
+    )
+    h = keras.layers.Dense(
+        8,
+        activation="tanh",
+        kernel_regularizer=regularizer,
+        activity_regularizer=regularizer,
+    )(inputs)
+    if case == "add_loss":
+        h = _MeanOfActivations()(h)
+    if case == "two_outputs":
+        outputs = {
+            "a": keras.layers.Dense(3, name="a")(h),
+            "b": keras.layers.Dense(2, name="b")(h),
+        }
+    else:
+        outputs = keras.layers.Dense(3)(h)
+    return cls(inputs, outputs, **kwargs)
+
+
+def _loss_case(case):
+    """`(loss, compile keywords, fit keywords)` of a `LossTest` case."""
+    rng = np.random.default_rng(1)
+    y = rng.normal(size=(ROWS, 3)).astype("float32")
+    weights = rng.uniform(0.0, 2.0, size=(ROWS,)).astype("float32")
+    mse = keras.losses.MeanSquaredError
+    if case == "sum":
+        return mse(reduction="sum"), {}, {"y": y}
+    if case == "mean_with_sample_weight":
+        return (
+            mse(reduction="mean_with_sample_weight"),
+            {},
+            {"y": y, "sample_weight": weights},
+        )
+    if case == "sample_weight":
+        return mse(), {}, {"y": y, "sample_weight": weights}
+    if case == "class_weight":
+        labels = rng.integers(0, 3, size=(ROWS,)).astype("int32")
+        return (
+            keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            {},
+            {"y": labels, "class_weight": {0: 0.5, 1: 2.0, 2: 1.0}},
+        )
+    if case == "function":
+        return (
+            (lambda t, p: tf.reduce_mean(tf.abs(t - p), axis=-1)),
+            {},
+            {"y": y},
+        )
+    if case == "two_outputs":
+        targets = {"a": y, "b": y[:, :2]}
+        return (
+            {"a": mse(), "b": keras.losses.MeanAbsoluteError()},
+            {"loss_weights": {"a": 1.0, "b": 0.3}},
+            {"y": targets},
+        )
+    return mse(), {}, {"y": y}
+
+
+class LossTest(parameterized.TestCase):
+    """Every loss the step takes: a batch in slices is the whole batch."""
+
+    @parameterized.named_parameters(
+        ("sum", "sum"),
+        ("sum_over_batch_size", "mean"),
+        ("mean_with_sample_weight", "mean_with_sample_weight"),
+        ("sample_weight", "sample_weight"),
+        ("class_weight", "class_weight"),
+        ("plain_function", "function"),
+        ("add_loss", "add_loss"),
+        ("regularizers", "regularizers"),
+        ("two_outputs_loss_weights", "two_outputs"),
+    )
+    def test_slices_train_as_the_whole_batch(self, case):
+        if tu.TF_KERAS and case == "mean_with_sample_weight":
+            self.skipTest("A Keras 3 reduction.")
+        x, _ = tu.classification_data(ROWS, in_dim=6)
+        loss, compile_kwargs, fit_kwargs = _loss_case(case)
+        y = fit_kwargs.pop("y")
+        runs = []
+        for cls, kwargs in (
+            (keras.Model, {}),
+            (AccumModel, {"micro_batch_size": 7}),
+        ):
+            model = _loss_model(cls, case, **kwargs)
+            model.compile(
+                optimizer=keras.optimizers.SGD(0.05),
+                loss=loss,
+                **compile_kwargs,
+            )
+            recorder = tu.UpdateRecorder()
+            history = model.fit(
+                x,
+                y,
+                batch_size=BATCH,
+                epochs=2,
+                shuffle=False,
+                verbose=0,
+                callbacks=[recorder],
+                **fit_kwargs,
+            )
+            runs.append((history.history, recorder.weights))
+        (history, weights), (split_history, split_weights) = runs
+        tu.assert_same_trajectory(self, weights, split_weights)
+        self.assertLen(split_weights, len(weights))
+        if not tu.TF_KERAS:
+            # tf_keras' compiled loss logs each slice's loss itself.
+            np.testing.assert_allclose(
+                split_history["loss"], history["loss"], rtol=1e-5
+            )
+
+    def test_sum_with_additional_losses_warns(self):
+        # Each slice adds the model's regularization once: with a loss that
+        # sums over the batch no weight per slice counts it once.
+        x, _ = tu.classification_data(ROWS, in_dim=6)
+        loss, _, fit_kwargs = _loss_case("sum")
+        model = _loss_model(AccumModel, "regularizers", micro_batch_size=7)
+        model.compile(optimizer="sgd", loss=loss)
+        with self.assertWarnsRegex(UserWarning, "add_loss"):
+            model.fit(x, fit_kwargs["y"], batch_size=BATCH, verbose=0)
+
+
 class BatchnormTest(parameterized.TestCase):
     def test_moving_statistics_of_the_whole_batch(self):
         # At learning rate 0 the weights stay, so plain BatchNormalization at
@@ -541,6 +676,27 @@ class SettingTest(parameterized.TestCase):
     def test_misspelled_keyword(self):
         with self.assertRaisesRegex(TypeError, "micro_batch_size"):
             _classifier(AccumModel, micro_batchsize=4)
+
+    @parameterized.named_parameters(
+        ("micro_batch_size", "micro_batch_size", 8),
+        ("accum_steps", "accum_steps", 4),
+    )
+    def test_given_to_fit_points_to_the_model(self, name, value):
+        # A natural first guess: Keras' own message would not say where it
+        # goes. Nothing changes.
+        x, y = tu.classification_data(ROWS, in_dim=6)
+        model = _classifier(AccumModel)
+        model.compile(optimizer="sgd", loss="mse")
+        with self.assertRaisesRegex(
+            TypeError, f"`fit` does not take `{name}`.*accumulate"
+        ):
+            model.fit(x, y, verbose=0, **{name: value})
+        self.assertIsNone(model.gradient_accumulator)
+
+    def test_accumulate_options_are_keyword_only(self):
+        # `accumulate(m, 4, 8)` once took 8 for `epoch_end`.
+        with self.assertRaisesRegex(TypeError, "positional"):
+            accum_model.accumulate(_classifier(keras.Model), 4, 8)
 
 
 if __name__ == "__main__":
