@@ -97,6 +97,10 @@ from absl import flags
 import accum_model
 from accum_model import AccumModel
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from repeats import median_interval  # noqa: E402
+from repeats import rotated  # noqa: E402
+
 keras = tf.keras
 # `tf.keras` is tf_keras (Keras 2) when TF_USE_LEGACY_KERAS=1 was set.
 TF_KERAS = keras.Model.__module__.startswith("tf_keras")
@@ -424,9 +428,10 @@ class _Contender:
         return tuple(b - a for a, b in zip(self.timer.start, self.timer.end))
 
 
-def baseline_names(count):
-    """The contenders' names of `count` baseline copies."""
-    return [f"accum_baseline{i + 1 if i else ''}" for i in range(count)]
+def baseline_names(count, kind="accum"):
+    """The contenders' names of `count` baseline copies (`split_baseline`:
+    their `micro_batch_size` contenders)."""
+    return [f"{kind}_baseline{i + 1 if i else ''}" for i in range(count)]
 
 
 def load_baseline(path, module_name):
@@ -478,7 +483,10 @@ def _contender_names(
         names = [c for c in names if c not in OPT_IN]
     names += [f"accum_gns_k{int(k)}" for k in noise_scale_every]
     names += ["accum_adascale"] if adascale else []
-    return names + baseline_names(baselines)
+    names += baseline_names(baselines)
+    if "split" in names:
+        names += baseline_names(baselines, "split")
+    return names
 
 
 def _build_contenders(
@@ -499,6 +507,9 @@ def _build_contenders(
     adascale = adascale and optimizer == "sgd"
     names = _contender_names(only, noise_scale_every, adascale, len(baselines))
     packages = dict(zip(baseline_names(len(baselines)), baselines))
+    split_packages = dict(
+        zip(baseline_names(len(baselines), "split"), baselines)
+    )
     for name in names:
         keras.utils.set_random_seed(0)
         inputs, outputs, x, y = builder(quick, samples)
@@ -507,6 +518,9 @@ def _build_contenders(
         elif name in packages:
             cls = _counting(packages[name].AccumModel)
             kwargs = {"accum_steps": n}
+        elif name in split_packages:
+            cls = _counting(split_packages[name].AccumModel)
+            kwargs = {"micro_batch_size": micro}
         elif name.startswith("accum_gns_k"):
             every = int(name[len("accum_gns_k") :])
             cls, kwargs = (
@@ -541,7 +555,11 @@ def _build_contenders(
             **_jit_kwargs(),
         )
         model._bench_xla = False
-        batch = micro * n if name in ("plain_NB", "split") else micro
+        batch = (
+            micro * n
+            if name == "plain_NB" or name.startswith("split")
+            else micro
+        )
         contender = _Contender(name, model, batch)
         contender.dataset = (
             tf.data.Dataset.from_tensor_slices((x, y))
@@ -551,44 +569,6 @@ def _build_contenders(
         )
         contenders.append(contender)
     return contenders
-
-
-def rotated(items, r):
-    """Returns `items` rotated left by `r`.
-
-    Over `len(items)` consecutive repeats, each item runs once in every
-    position.
-    """
-    first = r % len(items)
-    return list(items[first:]) + list(items[:first])
-
-
-def median_interval(values, confidence=0.95):
-    """A confidence interval for the median, free of any distribution.
-
-    Of `n` independent samples, the k-th smallest and the k-th largest
-    bracket the median of their distribution with probability
-    `1 - 2 * P(Binomial(n, 1/2) < k)`, whatever the distribution.
-
-    Args:
-        values: The samples (at least one).
-        confidence: The least coverage wanted.
-
-    Returns:
-        `(low, high, coverage)` for the largest such `k` whose coverage is at
-        least `confidence`; `(min, max, its coverage)` when even `k = 1`
-        falls short (fewer than 6 samples).
-    """
-    xs = sorted(values)
-    n = len(xs)
-
-    def coverage(k):
-        return 1.0 - 2.0 * sum(math.comb(n, i) for i in range(k)) / 2**n
-
-    k = 1
-    while k < n // 2 and coverage(k + 1) >= confidence:
-        k += 1
-    return xs[k - 1], xs[n - k], coverage(k)
 
 
 def _state_bytes(variables):
@@ -726,7 +706,9 @@ def run_one(
         if reference in rates:
             result["ratios"][f"accum/{reference}"] = ratio("accum", reference)
     if "split" in by_name:
-        for reference in SPLIT_REFERENCES:
+        for reference in list(SPLIT_REFERENCES) + baseline_names(
+            len(baselines), "split"
+        ):
             if reference in rates:
                 result["ratios"][f"split/{reference}"] = ratio(
                     "split", reference
@@ -913,10 +895,17 @@ def format_baseline_table(results):
 
 
 def format_split_table(results):
-    """The split contender's rates over accum's and plain_NB's, as Markdown."""
+    """The split contender's rates over accum's and plain_NB's (and over the
+    baseline copies' split), as Markdown."""
+    references = dict(SPLIT_REFERENCES)
+    for r in results:
+        for key in r["ratios"]:
+            name = key.split("/", 1)[1]
+            if key.startswith("split/") and name not in references:
+                references[name] = f"split / {name}"
     return _markdown(
         ["workload", "optimizer", "samples/s split"]
-        + list(SPLIT_REFERENCES.values())
+        + list(references.values())
         + ["A/A: accum / accum_again", "traces split"],
         [
             [
@@ -926,7 +915,7 @@ def format_split_table(results):
             ]
             + [
                 _fmt_ratio(r["ratios"].get(f"split/{ref}"))
-                for ref in SPLIT_REFERENCES
+                for ref in references
             ]
             + [_aa(r), str(r["split"]["traces"])]
             for r in results

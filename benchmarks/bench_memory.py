@@ -15,6 +15,9 @@ here (nothing is downloaded):
   split_N    `accumulate(model, micro_batch_size=B)`, `fit` at E: each
              batch split inside the train step into N slices of B, for
              each N of `--accum_steps` (only when `--runs` names `split`)
+  auto       `accumulate(model, micro_batch_size="auto")`, `fit` at E
+             with nothing limiting memory: whole batches, one slice each
+             (only when `--runs` names `auto`)
 
 Models: GPT-2 124M (keras-hub `GPT2Backbone` at the base configuration, with
 the causal LM head tied to the token embedding), GPT-2 with LoRA (keras-hub's
@@ -61,6 +64,7 @@ import importlib.metadata
 import json
 import os
 import platform
+import statistics
 import sys
 import time
 
@@ -70,15 +74,24 @@ from absl import flags
 # The checkout this file is in is what it measures (not an installed copy),
 # and its examples hold the memory helper shared with `examples/train.py`.
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [_ROOT, os.path.join(_ROOT, "examples")]
+sys.path[:0] = [
+    _ROOT,
+    os.path.dirname(os.path.abspath(__file__)),
+    os.path.join(_ROOT, "examples"),
+]
 import peak_memory  # noqa: E402
+from repeats import rotated  # noqa: E402
 
-MODELS = ("gpt2", "gpt2_lora", "bert", "resnet50")
+MODELS = ("gpt2", "gpt2_lora", "bert", "resnet50", "mlp")
 OPTIMIZERS = ("adamw", "sgd")
-RUNS = ("plain_E", "plain_B", "accum", "builtin", "split")
+RUNS = ("plain_E", "plain_B", "accum", "builtin", "split", "auto")
 # Run only when `--runs` names them.
-OPT_IN_RUNS = ("split",)
+OPT_IN_RUNS = ("split", "auto")
 LORA_RANK = 4
+# The weight-dominated model: five hidden layers of MLP_WIDTH, 20 MiB of
+# float32 weights, whose activations are small beside them.
+MLP_WIDTH = 1024
+MLP_DEPTH = 5
 MIB = 2**20
 
 _MODELS = flags.DEFINE_list(
@@ -146,6 +159,21 @@ _QUICK = flags.DEFINE_bool(
     "reading.",
 )
 _JSON = flags.DEFINE_string("json", None, "Also write the results here.")
+_BASELINE = flags.DEFINE_string(
+    "baseline",
+    None,
+    "A folder holding another copy of the package (`accum_model/`, e.g. "
+    "from `git archive OLD accum_model | tar -x -C DIR`): its `accum` and "
+    "`split` rows run too, each right after this checkout's, labelled "
+    "`@baseline`, so old and new are measured in one run.",
+)
+_REPEATS = flags.DEFINE_integer(
+    "repeats",
+    1,
+    "Processes per configuration, each repeat running them all in an "
+    "order rotated by one: a row's peak is the median of its processes' "
+    "(their range beside it).",
+)
 _REPORT = flags.DEFINE_list(
     "report",
     None,
@@ -243,8 +271,26 @@ def _resnet50(config, samples):
     return model, x, y
 
 
+def _mlp(config, samples):
+    import keras
+    import numpy as np
+
+    width = 64 if config["quick"] else MLP_WIDTH
+    inputs = keras.Input((width,))
+    h = inputs
+    for _ in range(MLP_DEPTH):
+        h = keras.layers.Dense(width, activation="relu")(h)
+    model = keras.Model(inputs, keras.layers.Dense(10)(h))
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(samples, width)).astype("float32")
+    y = rng.integers(0, 10, (samples,)).astype("int32")
+    return model, x, y
+
+
 def _build(config, samples):
     name = config["model"]
+    if name == "mlp":
+        return _mlp(config, samples)
     if name == "gpt2":
         return _gpt2(config, samples)
     if name == "gpt2_lora":
@@ -297,6 +343,9 @@ def measure(config, queue):
     """
     began = time.perf_counter()
     peak_memory.prepare_process(config["device"])
+    if config.get("baseline"):
+        # This process measures that copy of the package instead.
+        sys.path.insert(0, config["baseline"])
     import keras
     import tensorflow as tf
 
@@ -307,7 +356,7 @@ def measure(config, queue):
     run, n, micro = config["run"], config["accum_steps"], config["micro_batch"]
     # Batches per update, and the rows of each.
     window = n if run in ("accum", "builtin") else 1
-    batch = micro * n if run == "split" else micro
+    batch = micro * n if run in ("split", "auto") else micro
     steps = window * (1 + config["windows"])
     keras.utils.set_random_seed(0)
     model, x, y = _build(config, batch * steps)
@@ -322,6 +371,8 @@ def measure(config, queue):
         accum_model.accumulate(model, n)
     elif run == "split":
         accum_model.accumulate(model, micro_batch_size=micro)
+    elif run == "auto":
+        accum_model.accumulate(model, micro_batch_size="auto")
     model.compile(
         optimizer=optimizer,
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
@@ -396,7 +447,7 @@ def measure(config, queue):
             ),
             "accumulator_bytes": (
                 _bytes(model.gradient_accumulator.state_variables)
-                if run in ("accum", "split")
+                if run in ("accum", "split", "auto")
                 else _bytes(builtin)
             ),
         }
@@ -426,6 +477,8 @@ def configurations(
                 rows.append(("builtin", effective // largest, largest))
             if "split" in runs:
                 rows += [("split", effective // n, n) for n in accum_steps]
+            if "auto" in runs:
+                rows.append(("auto", effective, 1))
             for run, micro, n in rows:
                 configs.append(
                     dict(
@@ -441,10 +494,28 @@ def configurations(
 
 
 def label(row):
-    """`plain_E`, `plain_B`, `accum_N`, `builtin_N` or `split_N`."""
+    """`plain_E`, `plain_B`, `accum_N`, `builtin_N` or `split_N`.
+
+    With `@baseline` after it for a row of the `--baseline` copy.
+    """
+    suffix = "@baseline" if row.get("baseline") else ""
     if row["run"].startswith("plain"):
         return row["run"]
-    return f"{row['run']}_{row['accum_steps']}"
+    if row["run"] == "auto":
+        return f"auto{suffix}"
+    return f"{row['run']}_{row['accum_steps']}{suffix}"
+
+
+def with_baseline(configs, baseline):
+    """`configs`, each of this package's followed by its baseline twin."""
+    if not baseline:
+        return configs
+    out = []
+    for config in configs:
+        out.append(config)
+        if config["run"] in ("accum", "split", "auto"):
+            out.append(dict(config, baseline=baseline))
+    return out
 
 
 def memory_model(rows):
@@ -543,7 +614,6 @@ def memory_model(rows):
                 "accumulator_bytes": accumulators,
                 "activation_bytes_per_sample": per_sample,
                 "constant_bytes": constant,
-                "gradient_sum_bytes": gradient_sum_bytes(large),
                 "input_bytes_per_sample": input_per_sample,
                 "crossover_effective_batch": {
                     "accum": crossover(holds("accum") - held),
@@ -579,9 +649,10 @@ def static_bytes(row):
     backward pass produces it, which frees it, and runs the optimizer after
     the backward pass; its accumulators are dense. Under XLA, which
     schedules the whole step, its gradients live as long as plain fit's.
-    `micro_batch_size` (`split`) holds what `AccumModel` holds, and the
-    float32 gradient sums its loop carries across the slices
-    (`gradient_sum_bytes`).
+    `micro_batch_size` (`split`, and `auto` in one slice) adds each slice's
+    gradients into the same accumulators the same way: it holds what
+    `AccumModel` holds (and, for `split`, the whole batch's inputs:
+    `batch_input_bytes`).
     """
     dense = row["trainable_bytes"] - row.get("sparse_gradient_bytes", 0)
     held = PLAIN_GRADIENT_COPIES[row["optimizer"]] * dense
@@ -589,7 +660,8 @@ def static_bytes(row):
     gradients = {
         "accum": held if xla else 0,
         "builtin": held + row["trainable_bytes"],
-        "split": (held if xla else 0) + gradient_sum_bytes(row),
+        "split": held if xla else 0,
+        "auto": held if xla else 0,
     }.get(row["run"], held)
     return (
         row["weight_bytes"]
@@ -597,15 +669,6 @@ def static_bytes(row):
         + row["accumulator_bytes"]
         + gradients
     )
-
-
-def gradient_sum_bytes(row):
-    """The bytes of the gradient sums a `split` batch's loop carries.
-
-    Float32 and dense, one per trainable weight, whatever the weights' dtype
-    (a sparse gradient is added into its sum by rows).
-    """
-    return 4 * row["trainable_parameters"]
 
 
 def batch_input_bytes(row):
@@ -626,6 +689,14 @@ def batch_input_bytes(row):
 
 def _mib(value):
     return f"{value / MIB:,.0f}"
+
+
+def _peak(row):
+    """The row's peak in MiB, with its processes' range when it has one."""
+    peaks = row.get("peak_bytes_repeats", [])
+    if len(peaks) < 2:
+        return _mib(row["peak_bytes"])
+    return f"{_mib(row['peak_bytes'])} ({_mib(peaks[0])}-{_mib(peaks[-1])})"
 
 
 def format_rows(rows):
@@ -657,7 +728,7 @@ def format_rows(rows):
         lines.append(
             f"| {r['model']} | {r['optimizer']} | {label(r)} | "
             f"{r['micro_batch']} | {r['trainable_parameters'] / 1e6:.2f}M | "
-            f"{_mib(r['peak_bytes'])} | "
+            f"{_peak(r)} | "
             f"{'-' if predicted is None else _mib(predicted)} | {error} | "
             f"{r['samples_per_second']:.2f} | "
             f"{speed} |"
@@ -729,7 +800,8 @@ def format_split(rows):
         key = (r["model"], r["optimizer"])
         n, micro = r["accum_steps"], r["micro_batch"]
         plain = by.get((*key, "plain_E"))
-        accum = by.get((*key, f"accum_{n}"))
+        suffix = "@baseline" if r.get("baseline") else ""
+        accum = by.get((*key, f"accum_{n}{suffix}"))
         difference = "-"
         if accum is not None:
             measured = _mib(r["peak_bytes"] - accum["peak_bytes"])
@@ -738,7 +810,8 @@ def format_split(rows):
             difference = f"{measured} / {predicted}"
         lines.append(
             f"| {r['model']} | {r['optimizer']} | "
-            f"{n * micro} = {n} x {micro} | {_measured_predicted(plain)} | "
+            f"{n * micro} = {n} x {micro}{suffix} | "
+            f"{_measured_predicted(plain)} | "
             f"{_measured_predicted(accum)} | {_measured_predicted(r)} | "
             f"{difference} |"
         )
@@ -756,13 +829,19 @@ def machine_info():
     }
 
 
-def _run_all(configs, jobs):
+def _run_all(configs, jobs, repeats=1):
+    """Every configuration `repeats` times, each repeat in rotated order.
+
+    Returns:
+        The rows of `aggregate`: one per configuration.
+    """
+    configs = [c for r in range(repeats) for c in rotated(configs, r)]
     if jobs <= 1:
         results = []
         for config in configs:
             results.append(peak_memory.run_in_process(measure, config))
             _print_progress(results[-1])
-        return results
+        return aggregate(results)
     from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(jobs) as pool:
@@ -771,7 +850,31 @@ def _run_all(configs, jobs):
         )
     for r in results:
         _print_progress(r)
-    return results
+    return aggregate(results)
+
+
+def aggregate(results):
+    """One row per configuration: its repeats' median peak and speed.
+
+    `peak_bytes_repeats` keeps every process's peak, sorted. How two
+    threads interleave a step's operations moves a process's peak (a few
+    MiB on a model of 20 MiB of weights): the median of several processes
+    is what rows are compared by.
+    """
+    groups = {}
+    for r in results:
+        groups.setdefault((r["model"], r["optimizer"], label(r)), []).append(r)
+    rows = []
+    for group in groups.values():
+        row = dict(group[0])
+        peaks = sorted(r["peak_bytes"] for r in group)
+        row["peak_bytes_repeats"] = peaks
+        row["peak_bytes"] = statistics.median(peaks)
+        row["samples_per_second"] = statistics.median(
+            r["samples_per_second"] for r in group
+        )
+        rows.append(row)
+    return rows
 
 
 def _print_progress(r):
@@ -845,8 +948,15 @@ def main(argv):
         base,
         _BUILTIN_MODELS.value,
     )
+    baseline = _BASELINE.value and os.path.abspath(_BASELINE.value)
+    if baseline and not os.path.isdir(os.path.join(baseline, "accum_model")):
+        raise app.UsageError(
+            "`--baseline` must name a folder holding a copy of the package "
+            f"(`accum_model/`). Received: baseline={_BASELINE.value!r}"
+        )
+    configs = with_baseline(configs, baseline)
     started = time.perf_counter()
-    rows = _run_all(configs, _JOBS.value)
+    rows = _run_all(configs, _JOBS.value, _REPEATS.value)
     fits = memory_model(rows)
     seconds = time.perf_counter() - started
     info = machine_info()

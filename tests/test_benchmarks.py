@@ -314,6 +314,30 @@ class BenchMemoryTest(tf.test.TestCase):
             r"\d+ / n/a \| -?\d+ / n/a \|",
         )
 
+    def test_repeats_give_each_row_its_median_and_range(self):
+        path = os.path.join(tempfile.mkdtemp(), "memory.json")
+        result = _run_benchmark(
+            "bench_memory.py",
+            "--quick",
+            "--models=mlp",
+            "--runs=accum,auto",
+            "--repeats=2",
+            "--jobs=2",
+            f"--json={path}",
+        )
+        self.assertEqual(result.returncode, 0, result.stderr[-3000:])
+        with open(path) as f:
+            rows = {r["run"]: r for r in json.load(f)["rows"]}
+        self.assertCountEqual(rows, ["accum", "auto"])
+        for r in rows.values():
+            peaks = r["peak_bytes_repeats"]
+            self.assertLen(peaks, 2)
+            self.assertEqual(r["peak_bytes"], statistics.median(peaks))
+        # "auto" without a limit: whole batches, one update each.
+        self.assertEqual(rows["auto"]["fit_batch"], 4)
+        self.assertEqual(rows["auto"]["updates"], 4)
+        self.assertRegex(result.stdout, r"\| mlp \| adamw \| auto \| 4 \|")
+
     def test_memory_model_by_hand(self):
         # Plain at 8 and 2 samples: 600 and 300 bytes over the static ones,
         # so 50 bytes per sample and a constant of 200. Static: weights 1000,
@@ -370,10 +394,10 @@ class BenchMemoryTest(tf.test.TestCase):
             row("plain_E", 8, 1, 3620, **xla),
             row("plain_B", 2, 1, 3380, **xla),
             row("accum", 2, 4, 3550, 100, **xla),
-            # micro_batch_size=2 at 8: AccumModel's bytes, its loop's float32
-            # gradient sums (4 bytes for each of the 25 parameters) and the
-            # batch's inputs, 8 * 5 bytes: 3400 + 100 + 40 = 3540; under
-            # XLA, 3480 + 100 = 3580. Unknown inputs: no prediction.
+            # micro_batch_size=2 at 8: AccumModel's bytes (each slice's
+            # gradients go into its accumulators) and the batch's inputs,
+            # 8 * 5 bytes: 3400 + 40 = 3440; under XLA, 3480. Unknown
+            # inputs: no prediction.
             row("split", 2, 4, 3600, 100, input_bytes_per_sample=5),
             row("split", 2, 4, 1500, 100, **sgd),
             row("split", 2, 4, 3600, 100, input_bytes_per_sample=0, **xla),
@@ -403,24 +427,53 @@ class BenchMemoryTest(tf.test.TestCase):
         # Under XLA it holds its accumulators more: 100 / (40 * 3/4) = 3.3;
         # the built-in option 200 / 30 = 6.7.
         self.assertIn("| 3.3 (N=4) | 6.7 (N=4) |", result.stdout)
-        # micro_batch_size holds its gradient sums more than AccumModel and
-        # inputs that grow with E: 100 / (50 * 3/4 - 5) = 3.1; not known
-        # without the inputs' size.
-        self.assertIn("| 0.0 (N=4) | 5.3 (N=4) | 3.1 (N=4) |", result.stdout)
+        # micro_batch_size holds what AccumModel holds, and inputs that grow
+        # with E: nothing more than plain fit here; not known without the
+        # inputs' size.
+        self.assertIn("| 0.0 (N=4) | 5.3 (N=4) | 0.0 (N=4) |", result.stdout)
         self.assertIn("| 2.7 (N=4) | 5.3 (N=4) | - |", result.stdout)
         self.assertIn("| m | adamw | split_4 | 2 |", result.stdout)
-        self.assertIn("| -1.7% |", result.stdout)  # 3540 against 3600
-        self.assertIn("| -0.6% |", result.stdout)  # XLA: 3580 against 3600
+        self.assertIn("| -4.4% |", result.stdout)  # 3440 against 3600
+        self.assertIn("| -3.3% |", result.stdout)  # XLA: 3480 against 3600
         # Side by side, in MiB (0 here), with the errors.
         for line in (
             "| m | adamw | 8 = 4 x 2 | 0 / fitted | 0 / 0 (-0.3%) | "
-            "0 / 0 (-1.7%) | 0 / 0 |",
+            "0 / 0 (-4.4%) | 0 / 0 |",
             "| m | sgd | 8 = 4 x 2 | 0 / fitted | 0 / 0 (-1.0%) | 0 / n/a | "
             "0 / n/a |",
             "| x | adamw | 8 = 4 x 2 | 0 / fitted | 0 / 0 (-2.0%) | "
-            "0 / 0 (-0.6%) | 0 / 0 |",
+            "0 / 0 (-3.3%) | 0 / 0 |",
         ):
             self.assertIn(line, result.stdout)
+
+
+class BenchFirstFitTest(tf.test.TestCase):
+    def test_quick_run_times_every_configuration(self):
+        path = os.path.join(tempfile.mkdtemp(), "first.json")
+        result = _run_benchmark(
+            "bench_first_fit.py",
+            "--quick",
+            "--models=mlp",
+            "--windows=2",
+            "--repeats=1",
+            f"--json={path}",
+        )
+        self.assertEqual(result.returncode, 0, result.stderr[-3000:])
+        with open(path) as f:
+            report = json.load(f)
+        self.assertCountEqual(
+            [r["config"] for r in report["rows"]],
+            ["plain", "accum", "accum_nojit"],
+        )
+        for r in report["rows"]:
+            self.assertGreater(r["first_window_seconds"], 0)
+            self.assertGreater(r["steady_window_seconds"], 0)
+        # Plain fit updates at every batch; the others once per window.
+        updates = {r["config"]: r["updates"] for r in report["rows"]}
+        self.assertEqual(updates, {"plain": 6, "accum": 3, "accum_nojit": 3})
+        summary = report["summary"]["mlp"]
+        self.assertIn("break_even_updates", summary)
+        self.assertIn("updates to pay for it", result.stdout)
 
 
 if __name__ == "__main__":
