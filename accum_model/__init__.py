@@ -42,4 +42,4 @@ __all__ = [
     "replace_batchnorm",
     "save_plain",
 ]
-__version__ = "0.1.0"
+__version__ = "0.2.0"

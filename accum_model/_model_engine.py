@@ -14,6 +14,7 @@ import tensorflow as tf
 
 from accum_model import _adascale
 from accum_model import _keras
+from accum_model import _state
 from accum_model._accumulator import GradientAccumulator
 from accum_model._close import build_optimizer
 from accum_model._validation import check_optimizer_not_accumulating
@@ -98,6 +99,9 @@ class ModelEngine(ADAPTER.saveable_base):
                     noise_scale=model.noise_scale,
                     adascale=model.adascale,
                     name="accumulation",
+                )
+                accumulator.state.place_items_in(
+                    _state.variable_path(w) for w in model.weights
                 )
                 if model.optimizer is not None:
                     build_optimizer(model.optimizer, variables)

@@ -14,16 +14,31 @@ memory count all read the one `WindowState`:
 - `batch`: a batch on its way into the window (`_contribution`): zero
   between batches, so never saved.
 
-A file holds each saved variable under its name (`save`); `load` matches by
-name and refuses a file that lacks an entry this state needs or holds one
-it does not know, naming it. Variables of the model (an accumulator, the
-flag of whether it received a gradient, a BatchNorm layer's moments) are
-named by their index and path, `accumulator/0003/dense_1/kernel`: they load
-by index, checked by shape and by the last part of the path, so files load
-into a model whose layers Keras named differently (auto-generated names
-change between sessions), as Keras itself loads the weights by structure.
-Files written before names (accum_model 0.1.0 up to 2026-12-06: keys "0",
-"1", ...) load through `_from_position_layout`.
+A file holds each saved variable under its name (`save`) and the format's
+version (`FORMAT_VERSION`); `load` matches by name and refuses a file that
+lacks an entry this state needs or holds one it does not know, naming it.
+Variables of the model (an accumulator, the flag of whether it received a
+gradient, a BatchNorm layer's window moments) are keyed by their place in
+the model's structure, as Keras keys a model's weights: the path of the
+variable (or layer) with each auto-generated name (`dense_4`) replaced by
+its base and its place under the same parent, in the model's order
+(`dense_0`, `accum_batch_normalization_1`, `dense_2`). So a file
+loads into the same network built again, whatever counter Keras' names
+came from, and two variables of the same shape that changed places are
+matched by their place, never crosswise (`structure_keys`).
+
+Formats (`load` reads them all):
+
+- 0: a list, keys "0", "1", ... (accum_model 0.1.0 up to 8a65589), read
+  through the frozen order `_POSITION_ORDER`.
+- 1: by name, the model's items keyed `group.0003.<Keras' path>` (up to
+  c236af7); no version entry.
+- 2: by name, the model's items keyed by structure; `format_version`.
+
+An entry a later format adds (`Entry.since`) takes its initial value where
+an older file lacks it: exact, since each is a counter that starts at zero
+or belongs to a feature the file's model did not have. A file of the same
+or a later format that lacks an entry is refused.
 
 This module knows TensorFlow only.
 """
@@ -42,15 +57,20 @@ LIFETIME = "lifetime"
 SETTING = "setting"
 BATCH = "batch"
 
+# The format `save` writes (see the module).
+FORMAT_VERSION = 2
+VERSION_KEY = "format_version"
+
 Entry = collections.namedtuple(
-    "Entry", ["name", "dtype", "aggregation", "role", "initial"]
+    "Entry", ["name", "dtype", "aggregation", "role", "initial", "since"]
 )
-Entry.__new__.__defaults__ = (0,)
-Entry.__doc__ = """One state variable: name, dtype, aggregation, role, initial.
+Entry.__new__.__defaults__ = (0, 1)
+Entry.__doc__ = """One state variable, as the tables declare it.
 
 `aggregation`: under a strategy the variables are per-replica, summed on
 read (`SUM`, a replica's part of a global sum) or the first replica's
-(`FIRST`, equal on every replica).
+(`FIRST`, equal on every replica). `since`: the file format that first
+saved it; an older file that lacks it loads it as `initial`.
 """
 
 # The engine's own scalars.
@@ -193,13 +213,16 @@ class WindowState(tf.Module):
     def __init__(self, name="state"):
         super().__init__(name=name)
         self._variables = {}
-        self._roles = {}
+        self._entries = {}
         # For the per-variable `received` vector: the names of its elements.
         self._vector_items = {}
         self._items = {}
         # Declared by layers (`declare_item`): written by their forward
         # pass.
         self._item_variables = []
+        # The dotted paths of all of the model's weights, in its order
+        # (`place_items_in`).
+        self._structure = None
 
     def declare(self, name, entry, shape=(), dtype=None, initial=None):
         """Creates the variable `name` of `entry`, eagerly.
@@ -234,7 +257,7 @@ class WindowState(tf.Module):
                 aggregation=entry.aggregation,
             )
         self._variables[name] = variable
-        self._roles[name] = entry.role
+        self._entries[name] = entry
         return variable
 
     def declare_group(self, group, entries, shape=(), dtype=None):
@@ -287,7 +310,9 @@ class WindowState(tf.Module):
     def names(self, role=None):
         """The names of the variables (of `role`), in declaration order."""
         return [
-            n for n in self._variables if role is None or self._roles[n] == role
+            n
+            for n in self._variables
+            if role is None or self._entries[n].role == role
         ]
 
     def get(self, name):
@@ -312,32 +337,63 @@ class WindowState(tf.Module):
 
     # Files
 
+    def place_items_in(self, paths):
+        """Keys the model's items by their place among `paths`.
+
+        Args:
+            paths: The paths (`variable_path`) of all of the model's
+                weights, trainable or not, in the model's order: the places
+                a frozen layer keeps, so that the items of the layers after
+                it keep their keys when it is frozen or thawed.
+        """
+        self._structure = [file_key(p) for p in paths]
+
     def save(self, store):
-        """Writes every saved variable into the dict-like `store`, by name."""
+        """Writes every saved variable into the dict-like `store`.
+
+        Keyed by name, the model's items by structure (`structure_keys`),
+        with the format's version.
+        """
+        store[VERSION_KEY] = np.int64(FORMAT_VERSION)
+        keys = structure_keys(self._dotted_keys(), self._structure)
         for name, variable in self._saved():
             for key, value in self._split(name, variable.numpy()).items():
-                store[key] = value
+                store[keys[key]] = value
 
     def load(self, store):
-        """Assigns every saved variable from `store`, matched by name.
+        """Assigns every saved variable from `store`, of any format.
 
         Nothing is assigned unless every entry matches.
 
         Raises:
-            ValueError: If `store` lacks an entry this state saves, holds one
-                it does not know, or holds one of another shape.
+            ValueError: If `store` lacks an entry this state saves (one its
+                format already had), holds one it does not know, or holds
+                one of another shape.
         """
-        keys = list(store.keys())
-        if keys and all(k.isdigit() for k in keys):
-            store = _from_position_layout(self, store, keys)
-            keys = list(store.keys())
-        shapes = {}
+        saved, version, origin = _read(self, store)
+        # Files before format 2 ranked the items among themselves.
+        structure = structure_keys(
+            self._dotted_keys(), self._structure if version >= 2 else None
+        )
+        found = {}
         for name, variable in self._saved():
-            if name in self._vector_items:
-                shapes.update({k: () for k in self._keys(name)})
-            else:
-                shapes[file_key(name)] = tuple(variable.shape)
-        found = _match(shapes, store, keys)
+            entry = self._entries[name]
+            for dotted in self._keys(name):
+                key = structure[dotted]
+                shape = () if name in self._vector_items else variable.shape
+                found[dotted] = _matched(
+                    saved, key, tuple(shape), entry, version, origin
+                )
+        unknown = sorted(
+            origin[k] for k in set(saved) - set(structure.values())
+        )
+        if unknown:
+            raise ValueError(
+                "The saved accumulation state holds entries this model does "
+                f"not know: {unknown}. It was saved by a model with other "
+                "accumulation settings (`noise_scale`, `adascale`, "
+                "AccumBatchNormalization layers) or other trainable variables."
+            )
         for name, variable in self._saved():
             if name in self._vector_items:
                 value = [found[k] for k in self._keys(name)]
@@ -351,99 +407,216 @@ class WindowState(tf.Module):
         return [
             (n, v)
             for n, v in self._variables.items()
-            if self._roles[n] not in (SETTING, BATCH)
+            if self._entries[n].role not in (SETTING, BATCH)
         ]
 
+    def _dotted_keys(self):
+        """The dotted keys of every saved variable, vector elements apart."""
+        return [k for name, _ in self._saved() for k in self._keys(name)]
+
     def _keys(self, name):
-        """The file keys of `name`: its own, or one per vector element."""
+        """The dotted keys of `name`: its own, or one per vector element."""
         items = self._vector_items.get(name)
         return [file_key(n) for n in ([name] if items is None else items)]
 
     def _split(self, name, value):
-        """`{file key: array}` of variable `name` holding `value`."""
+        """`{dotted key: array}` of variable `name` holding `value`."""
         if name in self._vector_items:
             return dict(zip(self._keys(name), value))
         return {file_key(name): value}
 
 
 def file_key(name):
-    """The key of `name` in a file (Keras' stores take no `/` in a key)."""
+    """A name, dotted (Keras' stores take no `/` in a key): format 1's key."""
     return name.replace("/", ".")
 
 
-_ITEM = re.compile(r"^([a-z_]+)\.(\d{4})\.(.*)$")
+# A model item's dotted key: group, index, path (and, for a layer's item,
+# the entry).
+_ITEM = re.compile(r"^(accumulator|received|batchnorm)\.(\d{4})\.(.+)$")
+# Keras' auto-generated names: a base and a counter.
+_COUNTER = re.compile(r"_\d+$")
 
 
-def _match(expected, store, keys):
-    """`{expected key: saved array}`, or a `ValueError` naming a mismatch.
+def structure_keys(dotted_keys, structure=None):
+    """`{dotted key: key by structure}` for the keys of one state.
 
-    `expected`: `{key: shape}` of the entries this state saves.
+    Each item's path is rewritten, component by component, to the base of
+    its name (the name without a trailing `_<counter>`) and its place among
+    the distinct names under the same parent, in the model's order: the
+    paths of `structure` first, then the accumulators' variables by index,
+    then the layers' items by index (`dense_4/kernel` becomes `dense_2.
+    kernel_0` for the third layer), after the leading components all of
+    them share (the model's own scope, in the paths or not depending on how
+    Keras built it). The same network, built again, gets the same keys
+    whatever its names' counters. Two layers that changed places
+    get other keys: refused, never loaded crosswise, where Keras, which
+    loads the weights by place, would give each the other's weights. Other
+    keys are left as they are.
 
-    Items of the model (`group.0003.path`) match the saved item of the same
-    group and index whose path ends the same way (`kernel`, `mean`).
+    Args:
+        dotted_keys: The dotted keys (format 1) of a state or of a file.
+        structure: None, or the dotted paths of all of the model's weights
+            in its order (`WindowState.place_items_in`).
+
+    Returns:
+        A dict from each of `dotted_keys` to its key by structure.
     """
-    found = {}
-    by_index = {}
-    for key in keys:
+    items = []
+    for key in dotted_keys:
         m = _ITEM.match(key)
         if m:
-            by_index[(m.group(1), m.group(2))] = key
-    used = set()
-    for key, shape in expected.items():
-        saved = key if key in keys else None
-        m = _ITEM.match(key)
-        if saved is None and m:
-            candidate = by_index.get((m.group(1), m.group(2)))
-            if candidate is not None and _same_last_part(candidate, key):
-                saved = candidate
-        if saved is None:
-            raise ValueError(
-                "The saved accumulation state lacks the entry "
-                f"{key!r}, which this model needs"
-                + _item_hint(key, m, by_index)
-                + ". It was saved by a model with other accumulation "
-                "settings (`noise_scale`, `adascale`, AccumBatchNormalization "
-                "layers) or other trainable variables. Received entries: "
-                f"{sorted(keys)}"
+            group, index, rest = m.groups()
+            parts = tuple(rest.split("."))
+            path, entry = (
+                (parts[:-1], parts[-1:])
+                if group == "batchnorm"
+                else (parts, ())
             )
-        array = np.asarray(store[saved])
-        if array.shape != shape:
-            raise ValueError(
-                f"The saved accumulation state entry {saved!r} has shape "
-                f"{array.shape}, but this model's {key!r} has shape {shape}."
+            items.append(
+                (
+                    group != "accumulator",
+                    group == "batchnorm",
+                    int(index),
+                    key,
+                    group,
+                    path,
+                    entry,
+                )
             )
-        found[key] = array
-        used.add(saved)
-    unknown = sorted(set(keys) - used)
-    if unknown:
-        raise ValueError(
-            "The saved accumulation state holds entries this model does not "
-            f"know: {unknown}. It was saved by a model with other "
-            "accumulation settings (`noise_scale`, `adascale`, "
-            "AccumBatchNormalization layers) or other trainable variables."
+    canonical = {}
+    ranks = {}
+    paths = [tuple(p.split(".")) for p in structure or ()]
+    paths += [i[5] for i in sorted(items, key=lambda i: i[:3])]
+    # What every path starts with is the model's own scope, which Keras
+    # puts in the paths or not depending on how the model was built.
+    common = len(_common_prefix([p[:-1] for p in paths])) if paths else 0
+    prefix = paths[0][:common] if paths else ()
+
+    def inside(path):
+        return path[common:] if path[:common] == prefix else path
+
+    for path in map(inside, paths):
+        parent = ()
+        for depth in range(len(path)):
+            raw = path[: depth + 1]
+            if raw not in canonical:
+                base = _COUNTER.sub("", path[depth]) or path[depth]
+                rank = ranks[parent] = ranks.get(parent, -1) + 1
+                canonical[raw] = parent + (f"{base}_{rank}",)
+            parent = canonical[raw]
+    out = {key: key for key in dotted_keys}
+    taken = set()
+    for *_, key, group, path, entry in items:
+        new = ".".join((group,) + canonical[inside(path)] + entry)
+        # Two paths the same (not from Keras): told apart by their order.
+        while new in taken:
+            new += "~"
+        taken.add(new)
+        out[key] = new
+    return out
+
+
+def _common_prefix(paths):
+    """The leading components all of `paths` (tuples) share."""
+    first = paths[0]
+    n = min(len(p) for p in paths)
+    for i in range(n):
+        if any(p[i] != first[i] for p in paths):
+            return first[:i]
+    return first[:n]
+
+
+def _read(state, store):
+    """The entries of `store` by structure key, its format, their origins.
+
+    Returns:
+        `(saved, version, origin)`: `{key by structure: array}`, the
+        file's format, and `{key by structure: the file's own key}`.
+    """
+    keys = [k for k in store.keys() if k != VERSION_KEY]
+    if VERSION_KEY in store.keys():
+        version = int(np.asarray(store[VERSION_KEY]))
+        if version > FORMAT_VERSION:
+            raise ValueError(
+                "The saved accumulation state was written by a later "
+                f"accum_model (file format {version}; this one reads up to "
+                f"{FORMAT_VERSION}). Upgrade accum_model to load it."
+            )
+        arrays = {k: np.asarray(store[k]) for k in keys}
+        return arrays, version, {k: k for k in keys}
+    if keys and all(k.isdigit() for k in keys):
+        arrays = _from_position_layout(state, store, keys)
+        structure = structure_keys(list(arrays))
+        return (
+            {structure[k]: a for k, a in arrays.items()},
+            0,
+            {structure[k]: k for k in arrays},
         )
-    return found
+    structure = structure_keys(keys)
+    return (
+        {structure[k]: np.asarray(store[k]) for k in keys},
+        1,
+        {structure[k]: k for k in keys},
+    )
 
 
-def _same_last_part(a, b):
-    return a.rsplit(".", 1)[-1] == b.rsplit(".", 1)[-1]
+def _matched(saved, key, shape, entry, version, origin):
+    """The saved array of `key`, its default, or a `ValueError`."""
+    if key not in saved:
+        if entry.since > version:
+            # Added after the file's format: the value it starts at.
+            return np.full(shape, entry.initial)
+        raise ValueError(
+            "The saved accumulation state lacks the entry "
+            f"{key!r}, which this model needs. It was saved by a model with "
+            "other accumulation settings (`noise_scale`, `adascale`, "
+            "AccumBatchNormalization layers) or other trainable variables. "
+            f"Received entries: {sorted(origin.values())}"
+        )
+    array = saved[key]
+    if array.shape != shape:
+        raise ValueError(
+            f"The saved accumulation state entry {origin[key]!r} has shape "
+            f"{array.shape}, but this model's {key!r} has shape {shape}."
+        )
+    return array
 
 
-def _item_hint(key, m, by_index):
-    if not m:
-        return ""
-    candidate = by_index.get((m.group(1), m.group(2)))
-    if candidate is None:
-        return ""
-    return f" (the file's {candidate!r} has the same index but another name)"
+# Format 0 (accum_model 0.1.0 up to 8a65589): the state as a list, in this
+# order, frozen as that release wrote it. "*" stands for each item of the
+# group in index order; a group of a feature that was off is absent.
+_POSITION_ORDER = (
+    "engine/micro_step",
+    "engine/contributed_steps",
+    "engine/weight_sum",
+    "noise_scale/squared_norm_sum",
+    "noise_scale/micro_batches",
+    "batchnorm/*",
+    "engine/window_steps",
+    "accumulator/*",
+    "engine/skipped_microbatches",
+    "engine/discarded_windows",
+    "received",
+    "noise_scale/windows",
+    "noise_scale/measurements",
+    "noise_scale/ema_trace_sigma",
+    "noise_scale/ema_grad_sq_norm",
+    "noise_scale/ema_window_weight",
+    "noise_scale/ema_micro_batch_weight",
+    "noise_scale/last_trace_sigma",
+    "noise_scale/last_grad_sq_norm",
+    "adascale/tau",
+    "adascale/gain",
+    "adascale/learning_rate",
+)
 
 
 def _from_position_layout(state, store, keys):
-    """A file of the position layout (keys "0", "1", ...), by name.
+    """A format-0 file (keys "0", "1", ...) as `{dotted key: array}`.
 
-    accum_model 0.1.0 up to 2026-12-06 saved the state as a list, in the
-    order below. Its length fixes which features were on; a count that fits
-    no order of this state is refused.
+    Its length fixes which features were on; a count that fits no order of
+    this state is refused.
     """
     names = _position_layout_order(state)
     if len(keys) != len(names):
@@ -459,26 +632,12 @@ def _from_position_layout(state, store, keys):
 
 
 def _position_layout_order(state):
-    """The state's names in the order of the position layout."""
-    names = state.names()
-    window = set(state.names(WINDOW))
-
-    def group(prefix):
-        return [n for n in names if n.startswith(prefix)]
-
-    noise = group("noise_scale/")
-    noise_window = [n for n in noise if n in window]
-    return (
-        ["engine/micro_step", "engine/contributed_steps", "engine/weight_sum"]
-        + noise_window
-        + group("batchnorm/")
-        + ["engine/window_steps"]
-        + group("accumulator/")
-        + [
-            "engine/skipped_microbatches",
-            "engine/discarded_windows",
-            "received",
-        ]
-        + [n for n in noise if n not in window]
-        + group("adascale/")
-    )
+    """This state's saved names in format 0's order (`_POSITION_ORDER`)."""
+    saved = [n for n, _ in state._saved()]
+    order = []
+    for name in _POSITION_ORDER:
+        if name.endswith("/*"):
+            order += [n for n in saved if n.startswith(name[:-1])]
+        elif name in saved:
+            order.append(name)
+    return order

@@ -59,7 +59,8 @@ def run_one(run, config, queue):
     import tensorflow as tf
 
     import accum_model
-    from accum_model._keras import keras
+
+    keras = tf.keras
 
     rng = np.random.default_rng(0)
     features = 16

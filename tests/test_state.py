@@ -3,11 +3,14 @@
 The checked-in fixtures (tests/fixtures/window_state.py wrote them, each
 release its own) were saved mid-window with the noise scale, AdaScale and
 AccumBatchNormalization on. Loaded into a model built from the current
-code, each must continue to the weights of the uninterrupted run, trained
-here from the same initial weights on the same data.
+code, after another model in the same process (so that the layers Keras
+names get other names than in the file), each must continue to the
+weights of the uninterrupted run, trained here from the same initial
+weights on the same data.
 """
 
 import os
+from unittest import mock
 
 import h5py
 import numpy as np
@@ -47,11 +50,74 @@ def _readings(model):
     }
 
 
+def _build(prefix):
+    """The fixture's model, built after another one: Keras' names differ."""
+    auto = prefix in fixture.AUTO_NAMES
+    fixture.build_model(auto)
+    model = fixture.build_model(auto)
+    model.build((None, 3))
+    return model
+
+
+@tu.skip_unless_available("keras_3")
+class PlaceTest(tf.test.TestCase):
+    def _model(self, order):
+        inputs = keras.Input((4,))
+        h = inputs
+        for name in order:
+            h = keras.layers.Dense(4, name=name)(h)
+        model = accum_model.AccumModel(
+            inputs, keras.layers.Dense(3)(h), accum_steps=4, epoch_end="carry"
+        )
+        model.compile(optimizer="sgd", loss="mse")
+        return model
+
+    def test_same_shape_variables_that_changed_places_are_refused(self):
+        # Keras loads the weights by place: the second model's `b` gets the
+        # first one's `a` weights. Loading the accumulators by name would
+        # give each layer the other's gradients; by place with names they
+        # are refused.
+        x, y = tu.regression_data(8, in_dim=4)
+        first = self._model(["a", "b"])
+        first.fit(x, y, batch_size=4, verbose=0)
+        path = os.path.join(self.get_temp_dir(), "ab.weights.h5")
+        first.save_weights(path)
+        swapped = self._model(["b", "a"])
+        swapped.fit(x[:4], y[:4], batch_size=4, verbose=0)
+        state = swapped.gradient_accumulator.state
+        before = [v.numpy() for v in state.variables]
+        with self.assertRaisesRegex(ValueError, "lacks the entry"):
+            swapped.load_weights(path)
+        for a, v in zip(before, state.variables):
+            self.assertAllEqual(a, v)
+
+    def test_a_frozen_layer_keeps_the_places_after_it(self):
+        # The places count every weight: freezing a layer changes which
+        # variables accumulate, not the keys of the others.
+        x, y = tu.regression_data(8, in_dim=4)
+        first = self._model([None, None])
+        first.layers[1].trainable = False
+        first.compile(optimizer="sgd", loss="mse")
+        first.fit(x[:8], y[:8], batch_size=4, verbose=0)
+        self.assertEqual(int(first.gradient_accumulator.micro_step), 2)
+        path = os.path.join(self.get_temp_dir(), "frozen.weights.h5")
+        first.save_weights(path)
+        again = self._model([None, None])  # Named by other counters.
+        again.layers[1].trainable = False
+        again.compile(optimizer="sgd", loss="mse")
+        again.fit(x[:4], y[:4], batch_size=4, verbose=0)
+        again.load_weights(path)
+        for a, b in zip(
+            first.gradient_accumulator.state.variables,
+            again.gradient_accumulator.state.variables,
+        ):
+            self.assertAllEqual(a, b)
+
+
 @tu.skip_unless_available("keras_3")
 class FixtureTest(tf.test.TestCase, parameterized.TestCase):
     def _uninterrupted(self, prefix):
-        model = fixture.build_model()
-        model.build((None, 3))
+        model = _build(prefix)
         model.load_weights(_path(prefix, "initial.weights.h5"))
         x, y = _data(prefix)
         fixture.fit(model, x, y)
@@ -59,9 +125,12 @@ class FixtureTest(tf.test.TestCase, parameterized.TestCase):
 
     def _restored(self, prefix, kind):
         if kind == "keras":
+            fixture.build_model(prefix in fixture.AUTO_NAMES)
             return keras.models.load_model(_path(prefix, "mid_window.keras"))
-        model = fixture.build_model()
-        model.build((None, 3))
+        model = _build(prefix)
+        if prefix in fixture.AUTO_NAMES:
+            # The file's first Dense is `dense`; this one has a counter.
+            self.assertNotEqual(model.layers[1].name, "dense")
         model.load_weights(_path(prefix, "mid_window.weights.h5"))
         return model
 
@@ -93,34 +162,52 @@ class FixtureTest(tf.test.TestCase, parameterized.TestCase):
         )
         self._assert_same(expected, _readings(model))
 
-    def test_layers_named_otherwise_load_by_index(self):
-        # Keras names layers by a counter that differs between sessions;
-        # the state's model items load by index, checked by shape and by
-        # the variable's own name.
-        expected = self._uninterrupted("named")
-        renamed = fixture.build_model()
-        for layer in renamed.layers:
-            layer._name = f"{layer.name}_elsewhere"  # As a session would.
-        renamed.build((None, 3))
-        renamed.load_weights(_path("named", "mid_window.weights.h5"))
-        x, y = _data("named")
-        n = fixture.SAVED_AFTER * fixture.BATCH_SIZE
-        fixture.fit(renamed, x[n:], y[n:])
-        self._assert_same(expected, _readings(renamed))
+    @parameterized.named_parameters(
+        (f"{prefix}_{kind}", prefix, kind)
+        for prefix in sorted(fixture.FIXTURES)
+        for kind in ("keras", "weights_h5")
+    )
+    def test_a_later_entry_takes_its_initial_value(self, prefix, kind):
+        # A release that adds an entry to the tables: every older file
+        # still loads, the entry at its initial value.
+        future = _state.Entry(
+            "from_the_future", tf.int64, _state.FIRST, _state.LIFETIME, 7, 3
+        )
+        with (
+            mock.patch.object(_state, "ENGINE", _state.ENGINE + (future,)),
+            mock.patch.object(_state, "FORMAT_VERSION", 3),
+        ):
+            model = self._restored(prefix, kind)
+            state = model.gradient_accumulator.state
+            self.assertEqual(int(state.get("engine/from_the_future")), 7)
+            self.assertEqual(
+                int(model.gradient_accumulator.micro_step),
+                fixture.SAVED_AFTER % fixture.ACCUM_STEPS,
+            )
 
-    def _edited_copy(self, edit):
+    def test_a_later_format_is_refused(self):
+        def newer(group):
+            del group[_state.VERSION_KEY]
+            group[_state.VERSION_KEY] = np.int64(_state.FORMAT_VERSION + 1)
+
+        self._loads_nothing(
+            self._edited_copy(newer, "structure_auto"),
+            "written by a later accum_model",
+            "structure_auto",
+        )
+
+    def _edited_copy(self, edit, prefix="named"):
         path = os.path.join(self.get_temp_dir(), "edited.weights.h5")
-        with open(_path("named", "mid_window.weights.h5"), "rb") as src:
+        with open(_path(prefix, "mid_window.weights.h5"), "rb") as src:
             with open(path, "wb") as dst:
                 dst.write(src.read())
         with h5py.File(path, "a") as f:
             edit(f["_accum_state"]["vars"])
         return path
 
-    def _loads_nothing(self, path, message):
-        model = fixture.build_model()
-        model.build((None, 3))
-        x, y = _data("named")
+    def _loads_nothing(self, path, message, prefix="named"):
+        model = _build(prefix)
+        x, y = _data(prefix)
         fixture.fit(model, x[:4], y[:4])
         engine = model.gradient_accumulator
         before = [v.numpy() for v in engine.state.variables]
