@@ -399,21 +399,29 @@ def end_batch(engine, *, summed, dynamic_loss_scale):
     # A replica whose shard of the batch is empty adds no slice; where its
     # window opens with this batch its accumulators still hold the last
     # window's sums: zeroed, they are its (empty) contribution, as a
-    # micro-batch of no rows gives one.
-    empty = tf.logical_and(
-        tf.equal(field["rows"], 0.0), tf.equal(engine._contributed, 0)
-    )
-    received_flags = tf.constant([int(r) for r in engine._received], tf.int64)
+    # micro-batch of no rows gives one, and the window's counters stay
+    # equal on every replica. With one replica an empty batch counts for
+    # nothing instead (the next batch overwrites; a window of nothing
+    # applies nothing): a conditional that writes the accumulators, even
+    # one never taken, costs the step a variable's size of memory.
+    empty = tf.constant(False)
+    changes = []
+    if tf.distribute.get_replica_context().num_replicas_in_sync > 1:
+        empty = tf.logical_and(
+            tf.equal(field["rows"], 0.0), tf.equal(engine._contributed, 0)
+        )
+        received_flags = tf.constant(
+            [int(r) for r in engine._received], tf.int64
+        )
 
-    def zero_window():
-        engine._received_flags.assign(received_flags)
-        for acc in engine._accumulators:
-            acc.assign(tf.zeros_like(acc))
-        return tf.constant(True)
+        def zero_window():
+            engine._received_flags.assign(received_flags)
+            for acc in engine._accumulators:
+                acc.assign(tf.zeros_like(acc))
+            return tf.constant(True)
 
-    zeroed = tf.cond(empty, zero_window, _false)
-    changes = [
-        zeroed,
+        changes.append(tf.cond(empty, zero_window, _false))
+    changes += [
         engine._weight_sum.assign_add(weight),
         engine._contributed.assign_add(
             tf.cast(added, tf.int64) + tf.cast(empty, tf.int64)

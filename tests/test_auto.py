@@ -57,7 +57,7 @@ _PROCESSES = {
             # Batches of 8 steps run whole; one of 60 steps opens no window
             # (accum_steps=2): its retries add to a window that holds the
             # first batch.
-            "window_partial": "auto:8,60:window",
+            "window_partial": "auto:8,64:window",
         },
     ),
     "extras": (
@@ -206,7 +206,7 @@ class AutoUnderLimitTest(parameterized.TestCase):
         self.assertTrue(any(result["partial_additions"]))
         self.assertEqual(result["sizes"][0], memory_worker.BATCH)
         self.assert_same_training(
-            run, memory_worker.train("accum", [8, 60], ["window"])
+            run, memory_worker.train("accum", [8, 64], ["window"])
         )
 
     def test_retry_restores_what_the_failed_attempts_wrote(self):

@@ -9,6 +9,11 @@ batches of the slice's size, which the other test modules hold to plain
 Keras.
 """
 
+import json
+import os
+import subprocess
+import sys
+
 import numpy as np
 import tensorflow as tf
 from absl.testing import absltest
@@ -697,6 +702,41 @@ class SettingTest(parameterized.TestCase):
         # `accumulate(m, 4, 8)` once took 8 for `epoch_end`.
         with self.assertRaisesRegex(TypeError, "positional"):
             accum_model.accumulate(_classifier(keras.Model), 4, 8)
+
+
+_WEIGHT_WORKER = os.path.join(
+    os.path.dirname(os.path.abspath(__file__)), "weight_memory_worker.py"
+)
+
+
+class MemoryTest(absltest.TestCase):
+    def test_split_holds_what_accumulation_holds(self):
+        # A model whose weights dominate (tests/weight_memory_worker.py),
+        # each way in its own process under the BFC allocator: the split
+        # at E holds what accum_steps holds at E / N (its slices added in
+        # place, nothing the size of the weights beside the window), give
+        # or take a fifth of a weight copy; the whole batch's inputs are
+        # small here.
+        env = dict(os.environ, TF_USE_LEGACY_KERAS="0")
+        env.setdefault("PYTHONPATH", os.getcwd())
+        started = {
+            mode: subprocess.Popen(
+                [sys.executable, _WEIGHT_WORKER, mode, "64", "4"],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+            )
+            for mode in ("accum", "split")
+        }
+        peaks = {}
+        for mode, process in started.items():
+            out, err = process.communicate(timeout=600)
+            self.assertEqual(process.returncode, 0, err.decode()[-3000:])
+            peaks[mode] = json.loads(out.decode().strip().splitlines()[-1])
+        copy = peaks["accum"]["weight_bytes"]
+        self.assertLessEqual(
+            peaks["split"]["peak"], peaks["accum"]["peak"] + copy / 5, peaks
+        )
 
 
 if __name__ == "__main__":
