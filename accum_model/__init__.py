@@ -3,10 +3,12 @@
 The modules, in the order a micro-batch meets them: `_model` (`AccumModel`'s
 `train_step`: forward pass, loss, and the weight from `_normalizers`; a
 batch split into slices by `micro_batch_size` runs them in `_split`'s loop,
-and `"auto"` through `_auto`'s train function), then
+and `"auto"` through `_auto`'s train function; `evaluate` and `predict`
+in slices through `_inference`), then
 `_accumulator` (`GradientAccumulator`, the engine, its state declared in
 `_state`): the micro-batch into the window (`_contribution`), then the
-window out through the optimizer (`_close`); with the rules of
+window out through the optimizer (`_close`), the optimizer's slots built
+first (`_optimizers`); with the rules of
 `_mixed_precision`, `_noise_scale`, `_adascale`, `_control_flow`, and the
 apply hooks of `_batchnorm`. Around them: `_settings` (a model's settings
 and the readings of its window), `_epoch_end` (partial windows at

@@ -17,6 +17,7 @@ import tensorflow as tf
 from accum_model import _control_flow
 from accum_model import _keras
 from accum_model import _mixed_precision
+from accum_model._optimizers import build_optimizer_in_cross_replica_context
 
 ADAPTER = _keras.ADAPTER
 
@@ -208,32 +209,6 @@ def receiving(engine):
         saved = engine._received_flags.numpy()
     engine._received = [r or bool(s) for r, s in zip(engine._received, saved)]
     return engine._received
-
-
-def build_optimizer(optimizer, variables):
-    """Creates `optimizer`'s slots for `variables` unless it has them.
-
-    Eagerly: lifted out of any function being traced, as Keras builds its
-    own optimizers.
-    """
-    if variables and not ADAPTER.optimizer_built(optimizer):
-        with tf.init_scope():
-            ADAPTER.build_optimizer(optimizer, variables)
-
-
-def build_optimizer_in_cross_replica_context(optimizer, variables):
-    """`build_optimizer`, before a close is traced.
-
-    Keras optimizers create their slots on their first apply. Here that is
-    inside the branch that closes a window, and under a strategy that
-    branch runs in `merge_call`, where a traced function cannot lift new
-    variables out of the conditional ("You must feed a value for
-    placeholder"). So they are built first, in cross-replica context.
-    """
-    if not ADAPTER.optimizer_built(optimizer):
-        _control_flow.call_in_cross_replica_context(
-            lambda: build_optimizer(optimizer, variables)
-        )
 
 
 def window_is_finite(engine, xla):

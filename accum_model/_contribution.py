@@ -13,12 +13,12 @@ check then discards with the window.
 
 import tensorflow as tf
 
-from accum_model import _close
 from accum_model import _control_flow
 from accum_model import _keras
 from accum_model import _mixed_precision
 from accum_model import _noise_scale
 from accum_model import _state
+from accum_model._optimizers import build_optimizer_in_cross_replica_context
 
 ADAPTER = _keras.ADAPTER
 
@@ -55,7 +55,7 @@ def add_microbatch(
     dynamic_loss_scale = None
     if scaled:
         check_loss_scale_readable(optimizer)
-        _close.build_optimizer_in_cross_replica_context(
+        build_optimizer_in_cross_replica_context(
             optimizer, engine.updated_variables
         )
         if loss_scale is None:

@@ -284,24 +284,13 @@ class AccumModel(
             y_pred = ADAPTER.forward(self, x)
             loss = ADAPTER.compute_loss(self, x, y, y_pred, sample_weight)
             ADAPTER.track_loss(self, loss, _normalizers.batch_size(x, y))
-            weight = tf.stop_gradient(
-                tf.cast(
-                    self.compute_loss_normalizer(x, y, y_pred, sample_weight),
-                    tf.float32,
-                )
-            )
             # Built after the forward pass (which builds a lazily built
             # model), with the optimizer, whose loss scale must be a variable
             # before it is read (or the trace would keep it as a constant).
             accumulator = self._accum_state.build()
-            # The weight goes into the loss (one scalar multiply, not one per
-            # gradient element), except under loss scaling: there it could
-            # push float16 gradients into overflow, so the accumulator
-            # multiplies it in float32 as it unscales.
             loss_scale = ADAPTER.loss_scale(self.optimizer) if scaling else None
-            objective = ADAPTER.unscale_loss_for_distribution(loss)
-            objective = objective * tf.cast(
-                loss_scale if scaling else weight, objective.dtype
+            objective, weight = _normalizers.weighted_objective(
+                ADAPTER, self, (x, y, sample_weight), y_pred, loss, loss_scale
             )
 
         # Compute gradients, accumulate, apply once the window is full.

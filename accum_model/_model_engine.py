@@ -16,7 +16,7 @@ from accum_model import _adascale
 from accum_model import _keras
 from accum_model import _state
 from accum_model._accumulator import GradientAccumulator
-from accum_model._close import build_optimizer
+from accum_model._optimizers import build_optimizer
 from accum_model._validation import check_optimizer_not_accumulating
 
 ADAPTER = _keras.ADAPTER

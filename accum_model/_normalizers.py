@@ -186,6 +186,41 @@ def default(method):
     return method
 
 
+def weighted_objective(adapter, model, data, y_pred, loss, scale):
+    """What a micro-batch's gradients are taken of, and its weight.
+
+    The weight (the normalizer: what the loss divided by) goes into the
+    loss, one scalar multiply instead of one per gradient element; under
+    loss scaling the scale goes in instead (the weight could push float16
+    gradients into overflow), and the accumulator multiplies the weight in
+    float32 as it unscales. Call it inside the tape.
+
+    Args:
+        adapter: `_keras.ADAPTER`.
+        model: The model, whose `compute_loss_normalizer` gives the weight.
+        data: `(x, y, sample_weight)` of the micro-batch.
+        y_pred: Its predictions.
+        loss: Its loss.
+        scale: None, or the loss scale (float32 scalar).
+
+    Returns:
+        `(objective, weight)`: the loss to differentiate, and the float32
+        weight (no gradient flows through it).
+    """
+    x, y, sample_weight = data
+    weight = tf.stop_gradient(
+        tf.cast(
+            model.compute_loss_normalizer(x, y, y_pred, sample_weight),
+            tf.float32,
+        )
+    )
+    objective = adapter.unscale_loss_for_distribution(loss)
+    objective = objective * tf.cast(
+        weight if scale is None else scale, objective.dtype
+    )
+    return objective, weight
+
+
 def sums_over_batch(adapter, model, y, y_pred, sample_weight):
     """Whether the model's loss is a sum over the batch's rows.
 

@@ -66,15 +66,8 @@ def train_batch(model, accumulator, data, size, *, scale, xla, resumable):
         with tf.GradientTape() as tape:
             y_pred = ADAPTER.forward(model, px)
             loss = ADAPTER.compute_loss(model, px, py, y_pred, psw)
-            weight = tf.stop_gradient(
-                tf.cast(
-                    model.compute_loss_normalizer(px, py, y_pred, psw),
-                    tf.float32,
-                )
-            )
-            objective = ADAPTER.unscale_loss_for_distribution(loss)
-            objective = objective * tf.cast(
-                weight if scale is None else scale, objective.dtype
+            objective, weight = _normalizers.weighted_objective(
+                ADAPTER, model, part, y_pred, loss, scale
             )
         if not summed:
             summed.append(

@@ -364,6 +364,17 @@ class CompiledUpdateTest(tf.test.TestCase, parameterized.TestCase):
         step, _, _ = self._step_function(compile_update=True)
         self.assertLen(_compiled_updates(step, tf.constant([1.0, 1.0])), 1)
 
+    def test_one_compiled_update_across_retraces(self):
+        # A retrace (another input shape; "auto"'s halvings) reuses the
+        # update compiled for the same optimizer and variables.
+        step, _, _ = self._step_function(compile_update=True)
+        names = {
+            node.attr["f"].func.name
+            for spec in (tf.TensorSpec([2]), tf.TensorSpec([None]))
+            for node in _compiled_updates(step, spec)
+        }
+        self.assertLen(names, 1)
+
     @parameterized.named_parameters(
         ("not_asked", dict(compile_update=False)),
         # The whole step is compiled: nothing to compile apart.

@@ -636,6 +636,38 @@ class SplitWindowTest(parameterized.TestCase):
         ):
             np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-5)
 
+    def test_an_empty_batch_opening_a_window(self):
+        # One replica: an empty batch adds nothing and the next batch
+        # overwrites what the last window left, as accum_steps' micro-batch
+        # of no rows adds zeros.
+        rng = np.random.default_rng(0)
+        sizes = [4, 4, 0, 4, 4, 4]
+        xs = [rng.normal(size=(n, 3)).astype("float32") for n in sizes]
+        ys = [rng.normal(size=(n, 2)).astype("float32") for n in sizes]
+
+        def batches():
+            return tf.data.Dataset.from_generator(
+                lambda: zip(xs, ys),
+                output_signature=(
+                    tf.TensorSpec((None, 3)),
+                    tf.TensorSpec((None, 2)),
+                ),
+            )
+
+        def make(**kwargs):
+            keras.utils.set_random_seed(0)
+            inputs = keras.Input((3,))
+            model = AccumModel(inputs, keras.layers.Dense(2)(inputs), **kwargs)
+            model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+            model.fit(batches(), verbose=0)
+            return model
+
+        windows = make(accum_steps=2)
+        split = make(accum_steps=2, micro_batch_size=2)
+        self.assertEqual(int(split.optimizer.iterations), 3)
+        for a, b in zip(windows.get_weights(), split.get_weights()):
+            np.testing.assert_allclose(b, a, atol=1e-6)
+
 
 class SettingTest(parameterized.TestCase):
     @parameterized.named_parameters(
