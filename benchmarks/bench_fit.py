@@ -609,8 +609,9 @@ def run_one(
 
     def micro_steps(c, steps):
         # Every contender trains on `steps * micro` samples per timed fit.
-        # plain_NB and split take N*B samples per step.
-        return steps // n if c.name in ("plain_NB", "split") else steps
+        # plain_NB and the split ones (old copies too) take N*B per step.
+        whole = c.name == "plain_NB" or c.name.startswith("split")
+        return steps // n if whole else steps
 
     # Warm up: the first fit traces and builds (Floor learns whether the
     # step is XLA-compiled only after compile resolved `jit_compile`, so it
@@ -629,6 +630,9 @@ def run_one(
 
     rates = {c.name: [] for c in contenders}
     cpu_rates = {c.name: [] for c in contenders}
+    updates_before = {
+        c.name: int(c.model.optimizer.iterations) for c in contenders
+    }
     for r in range(repeats):
         # Rotate the order each repeat: a contender that always ran right
         # after another (whose garbage, caches and thermal state it
@@ -705,6 +709,13 @@ def run_one(
     for reference in REFERENCES:
         if reference in rates:
             result["ratios"][f"accum/{reference}"] = ratio("accum", reference)
+    # The optimizer's updates in the timed fits: equal for every contender
+    # that updates once per N*B samples, which shows each trained on as
+    # many.
+    result["updates"] = {
+        c.name: int(c.model.optimizer.iterations) - updates_before[c.name]
+        for c in contenders
+    }
     if "split" in by_name:
         for reference in list(SPLIT_REFERENCES) + baseline_names(
             len(baselines), "split"

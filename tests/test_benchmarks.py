@@ -233,7 +233,7 @@ class BenchFitBaselineTest(tf.test.TestCase):
             result, path = _run_bench_fit(
                 "--workloads=mlp",
                 "--optimizers=sgd",
-                "--contenders=accum_again",
+                "--contenders=accum_again,split",
                 f"--baseline={old}",
                 f"--jit_compile={jit_compile}",
             )
@@ -247,8 +247,16 @@ class BenchFitBaselineTest(tf.test.TestCase):
             self.assertEqual(r["xla"], jit_compile == "true")
             self.assertCountEqual(
                 r["samples_per_second"],
-                ["accum", "accum_again", "accum_baseline"],
+                [
+                    "accum",
+                    "accum_again",
+                    "accum_baseline",
+                    "split",
+                    "split_baseline",
+                ],
             )
+            # Each on as many samples, in updates of N*B.
+            self.assertLen(set(r["updates"].values()), 1, r["updates"])
             entry = r["baseline"]["accum_baseline"]
             self.assertTrue(
                 entry["engine_module"].startswith("accum_model_accum_baseline.")
@@ -267,19 +275,20 @@ class BenchFitBaselineTest(tf.test.TestCase):
 
 class BenchMemoryTest(tf.test.TestCase):
     @unittest.skipIf(tu.TF_KERAS, "keras-hub needs Keras 3")
-    def test_quick_run_measures_each_configuration_in_its_process(self):
+    def _quick_rows(self, *flags):
+        """A quick bench_memory.py run: its output and its rows by run."""
         path = os.path.join(tempfile.mkdtemp(), "memory.json")
         result = _run_benchmark(
-            "bench_memory.py",
-            "--quick",
-            "--models=gpt2",
-            "--runs=plain_E,accum,split",
-            "--jobs=2",
-            f"--json={path}",
+            "bench_memory.py", "--quick", "--jobs=2", f"--json={path}", *flags
         )
         self.assertEqual(result.returncode, 0, result.stderr[-3000:])
         with open(path) as f:
-            rows = {r["run"]: r for r in json.load(f)["rows"]}
+            return result, {r["run"]: r for r in json.load(f)["rows"]}
+
+    def test_quick_run_measures_each_configuration_in_its_process(self):
+        result, rows = self._quick_rows(
+            "--models=gpt2", "--runs=plain_E,accum,split"
+        )
         self.assertCountEqual(rows, ["plain_E", "accum", "split"])
         for r in rows.values():
             self.assertGreater(r["peak_bytes"], r["weight_bytes"])
@@ -315,19 +324,9 @@ class BenchMemoryTest(tf.test.TestCase):
         )
 
     def test_repeats_give_each_row_its_median_and_range(self):
-        path = os.path.join(tempfile.mkdtemp(), "memory.json")
-        result = _run_benchmark(
-            "bench_memory.py",
-            "--quick",
-            "--models=mlp",
-            "--runs=accum,auto",
-            "--repeats=2",
-            "--jobs=2",
-            f"--json={path}",
+        result, rows = self._quick_rows(
+            "--models=mlp", "--runs=accum,auto", "--repeats=2"
         )
-        self.assertEqual(result.returncode, 0, result.stderr[-3000:])
-        with open(path) as f:
-            rows = {r["run"]: r for r in json.load(f)["rows"]}
         self.assertCountEqual(rows, ["accum", "auto"])
         for r in rows.values():
             peaks = r["peak_bytes_repeats"]
