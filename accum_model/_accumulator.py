@@ -105,8 +105,9 @@ class GradientAccumulator(tf.Module):
         self._variables = variables
         self._apply_hooks = []
         # The window's update compiled with XLA, per optimizer and variables
-        # receiving gradients (`_close.update_function`).
-        self._compiled_updates = {}
+        # receiving gradients (`_close.update_function`); not a dict, which
+        # `tf.Module` would track, and a checkpoint refuse (tuple keys).
+        self._compiled_updates = _close.CompiledUpdates()
         # Which variables ever received a gradient: the others get `None` at
         # apply, as plain training gives them (so the optimizer neither
         # decays nor counts them, and warns as Keras does). Known when a

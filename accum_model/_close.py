@@ -86,6 +86,31 @@ def _apply_mean(engine, optimizer, update, xla):
         hook()
 
 
+class CompiledUpdates:
+    """The compiled updates of one engine, by (optimizer, receiving).
+
+    A plain object: `tf.Module` tracks the dicts set as its attributes,
+    and a checkpoint (tf_keras' `BackupAndRestore`, `save_weights` in
+    TensorFlow's format) refuses one with tuple keys.
+    """
+
+    def __init__(self):
+        self._entries = {}
+
+    def get(self, optimizer, receiving):
+        """The update compiled for `optimizer`, or None."""
+        entry = self._entries.get((id(optimizer), tuple(receiving)))
+        if entry is not None and entry[0]() is optimizer:
+            return entry[1]
+        return None
+
+    def put(self, optimizer, receiving, function):
+        self._entries[id(optimizer), tuple(receiving)] = (
+            weakref.ref(optimizer),
+            function,
+        )
+
+
 def update_function(engine, optimizer, receiving, xla, compile_update):
     """The window's update, `update(inverse)`: applies `acc * inverse`.
 
@@ -136,13 +161,12 @@ def update_function(engine, optimizer, receiving, xla, compile_update):
         and not tf.distribute.has_strategy()
         and _control_flow.xla_available()
     ):
-        key = (id(optimizer), tuple(receiving))
-        cached = engine._compiled_updates.get(key)
-        if cached is not None and cached[0]() is optimizer:
+        cached = engine._compiled_updates.get(optimizer, receiving)
+        if cached is not None:
             # One compiled update per optimizer and variables receiving
             # gradients: retraces of the step (a new slice size, a new
             # `fit`) reuse its trace and XLA's compilation.
-            return cached[1]
+            return cached
         # An optimizer that creates its slots at its first apply (tf_keras)
         # creates them here, in the step being traced, as plain fit's
         # first trace does: TensorFlow then traces the step again, and a
@@ -150,8 +174,11 @@ def update_function(engine, optimizer, receiving, xla, compile_update):
         # draws in plain fit.
         ADAPTER.build_optimizer_in_trace(optimizer, engine._variables)
         compiled = tf.function(accum_model_window_update, jit_compile=True)
-        _check_xla_compiles(compiled)
-        engine._compiled_updates[key] = (weakref.ref(optimizer), compiled)
+        if not _check_xla_compiles(compiled):
+            # Its slots were created by the step being traced: XLA cannot
+            # read them yet, so a copy of the optimizer answers.
+            _check_xla_compiles_copy(optimizer, engine._variables, receiving)
+        engine._compiled_updates.put(optimizer, receiving, compiled)
         return compiled
     return accum_model_window_update
 
@@ -168,6 +195,11 @@ def _check_xla_compiles(function):
     Args:
         function: The update, a `tf.function` with `jit_compile=True`.
 
+    Returns:
+        True if XLA compiled it; False if it could not tell: variables
+        created by the step being traced (a model built by its first step,
+        tf_keras' optimizer slots) hold no value until the step runs.
+
     Raises:
         ValueError: If XLA cannot compile it, saying what to set.
     """
@@ -176,22 +208,55 @@ def _check_xla_compiles(function):
         # Traced first, on its own: an error of the trace (not of XLA)
         # passes as it is.
         function.get_concrete_function(spec)
+        return _compiles(lambda: function.experimental_get_compiler_ir(spec))
+
+
+def _compiles(compiler_ir):
+    """Whether XLA compiles what `compiler_ir()` returns the IR of."""
+    try:
+        compiler_ir()(stage="hlo")
+    except (ValueError, tf.errors.OpError) as error:
+        if "is_initialized" in str(error):
+            return False
+        raise ValueError(
+            "The window's update (the optimizer's apply) is compiled "
+            "with XLA when the train step is not, and XLA cannot compile "
+            "this optimizer's. Pass `jit_compile=False` to `compile()` "
+            "(AccumModel), or `compile_update=False` to `step()` and "
+            "`apply()` (GradientAccumulator), to run it as Keras does. "
+            f"XLA said: {error}"
+        ) from None
+    return True
+
+
+def _check_xla_compiles_copy(optimizer, variables, receiving):
+    """`_check_xla_compiles` of a copy of `optimizer`, on stand-ins.
+
+    The ops XLA supports do not depend on the variables' shapes: a copy
+    from the optimizer's config applies to one variable of one element per
+    dtype, built eagerly. An optimizer that cannot be copied from its
+    config is left to the first close.
+    """
+    inner = ADAPTER.inner_optimizer(optimizer)
+    dtypes = sorted(
+        {v.dtype for v, r in zip(variables, receiving) if r}, key=str
+    )
+    with tf.init_scope():
+        # Eagerly: a config reads the learning rate's value.
         try:
-            function.experimental_get_compiler_ir(spec)(stage="hlo")
-        except (ValueError, tf.errors.OpError) as error:
-            if "is_initialized" in str(error):
-                # Variables created by this very trace (a model built by
-                # its first step) hold no value until the step runs: XLA
-                # can only say at the first close.
-                return
-            raise ValueError(
-                "The window's update (the optimizer's apply) is compiled "
-                "with XLA when the train step is not, and XLA cannot compile "
-                "this optimizer's. Pass `jit_compile=False` to `compile()` "
-                "(AccumModel), or `compile_update=False` to `step()` and "
-                "`apply()` (GradientAccumulator), to run it as Keras does. "
-                f"XLA said: {error}"
-            ) from None
+            copy = type(inner).from_config(inner.get_config())
+        except Exception:  # noqa: BLE001 - any optimizer's own config error
+            return
+        stand_ins = [tf.Variable(tf.zeros([1], d)) for d in dtypes]
+        ADAPTER.build_optimizer_for_restore(copy, stand_ins)
+
+        def apply():
+            ADAPTER.apply_gradients(
+                copy, [tf.zeros_like(v) for v in stand_ins], stand_ins
+            )
+
+        probe = tf.function(apply, jit_compile=True)
+        _compiles(lambda: probe.experimental_get_compiler_ir())
 
 
 def receiving(engine):
