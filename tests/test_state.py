@@ -148,8 +148,18 @@ class FixtureTest(tf.test.TestCase, parameterized.TestCase):
     @parameterized.named_parameters(_FILES)
     def test_continues_to_the_uninterrupted_run(self, prefix, kind):
         expected = self._uninterrupted(prefix)
-        model = self._restored(prefix, kind)
+        # Loaded by a release that adds an entry to the tables: the entry
+        # takes its initial value, the file loads as it would without it.
+        future = _state.Entry(
+            "from_the_future", tf.int64, _state.FIRST, _state.LIFETIME, 7, 3
+        )
+        with (
+            mock.patch.object(_state, "ENGINE", _state.ENGINE + (future,)),
+            mock.patch.object(_state, "FORMAT_VERSION", 3),
+        ):
+            model = self._restored(prefix, kind)
         engine = model.gradient_accumulator
+        self.assertEqual(int(engine.state.get("engine/from_the_future")), 7)
         self.assertEqual(
             int(engine.micro_step),
             fixture.SAVED_AFTER % fixture.ACCUM_STEPS,
@@ -161,29 +171,6 @@ class FixtureTest(tf.test.TestCase, parameterized.TestCase):
             expected["iterations"], fixture.TOTAL // fixture.ACCUM_STEPS
         )
         self._assert_same(expected, _readings(model))
-
-    @parameterized.named_parameters(
-        (f"{prefix}_{kind}", prefix, kind)
-        for prefix in sorted(fixture.FIXTURES)
-        for kind in ("keras", "weights_h5")
-    )
-    def test_a_later_entry_takes_its_initial_value(self, prefix, kind):
-        # A release that adds an entry to the tables: every older file
-        # still loads, the entry at its initial value.
-        future = _state.Entry(
-            "from_the_future", tf.int64, _state.FIRST, _state.LIFETIME, 7, 3
-        )
-        with (
-            mock.patch.object(_state, "ENGINE", _state.ENGINE + (future,)),
-            mock.patch.object(_state, "FORMAT_VERSION", 3),
-        ):
-            model = self._restored(prefix, kind)
-            state = model.gradient_accumulator.state
-            self.assertEqual(int(state.get("engine/from_the_future")), 7)
-            self.assertEqual(
-                int(model.gradient_accumulator.micro_step),
-                fixture.SAVED_AFTER % fixture.ACCUM_STEPS,
-            )
 
     def test_a_later_format_is_refused(self):
         def newer(group):
