@@ -116,12 +116,17 @@ class PlaceTest(tf.test.TestCase):
 
 @tu.skip_unless_available("keras_3")
 class FixtureTest(tf.test.TestCase, parameterized.TestCase):
+    # The uninterrupted run of each fixture, trained once for both kinds.
+    _expected = {}
+
     def _uninterrupted(self, prefix):
-        model = _build(prefix)
-        model.load_weights(_path(prefix, "initial.weights.h5"))
-        x, y = _data(prefix)
-        fixture.fit(model, x, y)
-        return _readings(model)
+        if prefix not in self._expected:
+            model = _build(prefix)
+            model.load_weights(_path(prefix, "initial.weights.h5"))
+            x, y = _data(prefix)
+            fixture.fit(model, x, y)
+            self._expected[prefix] = _readings(model)
+        return self._expected[prefix]
 
     def _restored(self, prefix, kind):
         if kind == "keras":
