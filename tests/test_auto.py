@@ -203,11 +203,15 @@ class AutoUnderLimitTest(parameterized.TestCase):
         # again (once added twice, the weights are 1e-3 off).
         run = self.results["window_partial"]
         result, _ = run
-        self.assertTrue(any(result["partial_additions"]))
         self.assertEqual(result["sizes"][0], memory_worker.BATCH)
         self.assert_same_training(
             run, memory_worker.train("accum", [8, 64], ["window"])
         )
+        # Where the allocator fails depends on how the two threads
+        # interleave the step's ops: most runs fail after some additions
+        # (without the guard they end 1e-3 off), some before any.
+        if not any(result["partial_additions"]):
+            self.skipTest("This run ran out of memory before any addition.")
 
     def test_retry_restores_what_the_failed_attempts_wrote(self):
         # Dropout (its seed generator), AccumBatchNormalization, the noise
