@@ -60,9 +60,9 @@ def _as_lists(weights):
 
 
 def _plain_model_class():
-    from accum_model._keras import ADAPTER
-    from accum_model._keras import keras
-    from accum_model._multi_worker import MultiWorkerFitWorkarounds
+    from accum_model.keras._adapter import ADAPTER
+    from accum_model.keras._adapter import keras
+    from accum_model.keras._multi_worker import MultiWorkerFitWorkarounds
 
     class PlainModel(MultiWorkerFitWorkarounds, keras.Model):
         """Keras' own train_step, plus only AccumModel's MWMS workarounds."""
@@ -114,7 +114,7 @@ _DISABLE = {
 
 
 def _fit_case(strategy, case):
-    from accum_model._keras import ADAPTER
+    from accum_model.keras._adapter import ADAPTER
 
     patched = [_DISABLE[name] for name in case.get("disable", [])]
     try:
@@ -127,7 +127,7 @@ def _fit_case(strategy, case):
 
 
 def _under_policy(run, strategy, case):
-    from accum_model._keras import keras
+    from accum_model.keras._adapter import keras
 
     policy = keras.mixed_precision.global_policy()
     try:
@@ -160,7 +160,7 @@ def _optimizer(case):
     In the scope: Keras 3 creates `iterations` in the constructor, and one
     created outside would count every replica's update.
     """
-    from accum_model._keras import keras
+    from accum_model.keras._adapter import keras
     from tests import testing_utils as tu
 
     optimizer = tu.OPTIMIZERS[case["optimizer"]]()
@@ -173,8 +173,8 @@ def _optimizer(case):
 
 def _fit(strategy, case):
     from accum_model import AccumModel
-    from accum_model._keras import ADAPTER
-    from accum_model._keras import keras
+    from accum_model.keras._adapter import ADAPTER
+    from accum_model.keras._adapter import keras
     from tests import allreduce_counter
     from tests import testing_utils as tu
 
@@ -257,7 +257,7 @@ def _fit(strategy, case):
 def _loop_case(strategy, case):
     """GradientAccumulator in a custom loop: strategy.run per micro-batch."""
     from accum_model import GradientAccumulator
-    from accum_model._keras import ADAPTER
+    from accum_model.keras._adapter import ADAPTER
     from tests import allreduce_counter
     from tests import testing_utils as tu
 
@@ -339,7 +339,7 @@ def _noise_scale_case(strategy, case):
     """
     from accum_model import AccumModel
     from accum_model import AdaScale
-    from accum_model._keras import keras
+    from accum_model.keras._adapter import keras
     from tests import allreduce_counter
     from tests import noise_scale_problem as problem
 
@@ -410,7 +410,7 @@ _KINDS = {"loop": _loop_case, "noise_scale": _noise_scale_case}
 
 
 def main(argv):
-    from accum_model._keras import keras
+    from accum_model.keras._adapter import keras
 
     config = getattr(keras, "config", None)
     if hasattr(config, "disable_traceback_filtering"):

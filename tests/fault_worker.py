@@ -72,7 +72,7 @@ def main(argv):
 
     from accum_model import AccumModel
     from accum_model import ResumableBackup
-    from accum_model._keras import keras
+    from accum_model.keras._adapter import keras
     from tests import testing_utils as tu
 
     preempt, kill = _point(FLAGS.preempt), _point(FLAGS.kill)

@@ -35,9 +35,9 @@ import numpy as np
 import tensorflow as tf
 
 import accum_model
-from accum_model import _auto
-from accum_model._keras import LEGACY
-from accum_model._keras import keras
+from accum_model.keras._adapter import LEGACY
+from accum_model.keras._adapter import keras
+from accum_model.model import _auto
 
 BATCH = 256
 FEATURES = 16

@@ -22,7 +22,7 @@ from absl.testing import parameterized
 import accum_model
 from accum_model import AccumModel
 from accum_model import accumulate
-from accum_model._keras import keras
+from accum_model.keras._adapter import keras
 from tests import testing_utils as tu
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -417,7 +417,7 @@ _LOAD_SCRIPT = """
 import sys, json
 import numpy as np
 import accum_model
-from accum_model._keras import keras
+from accum_model.keras._adapter import keras
 import tests.test_accumulate  # registers the test's own model class
 model = keras.models.load_model(sys.argv[1])
 engine = model.gradient_accumulator

@@ -11,8 +11,8 @@ import tensorflow as tf
 from absl.testing import parameterized
 
 from accum_model import GradientAccumulator
-from accum_model import _control_flow
-from accum_model._keras import keras
+from accum_model.core import _control_flow
+from accum_model.keras._adapter import keras
 from tests import testing_utils as tu
 
 
@@ -431,7 +431,7 @@ import os
 os.environ["TF_CPU_ALLOCATOR_USE_BFC"] = "true"  # keeps peak statistics
 import tensorflow as tf
 from accum_model import GradientAccumulator
-from accum_model._keras import keras
+from accum_model.keras._adapter import keras
 
 layers = [keras.layers.Dense(1024, use_bias=False) for _ in range(16)]
 model = keras.Sequential([keras.Input((1024,))] + layers)

@@ -12,8 +12,8 @@ import accum_model
 from accum_model import AccumModel
 from accum_model import AdaScale
 from accum_model import GradientAccumulator
-from accum_model import _adascale
-from accum_model._keras import keras
+from accum_model.engine import _adascale
+from accum_model.keras._adapter import keras
 from tests import noise_scale_problem as problem
 from tests import testing_utils as tu
 

@@ -307,7 +307,7 @@ class AutoTest(parameterized.TestCase):
 
     def test_first_batch_decides_and_later_fits_keep_it(self):
         import accum_model
-        from accum_model._keras import keras
+        from accum_model.keras._adapter import keras
 
         x, y = tu.classification_data(64, in_dim=6)
         model = tu.mlp(
@@ -336,7 +336,7 @@ class AutoTest(parameterized.TestCase):
 
     def test_no_retracing_warning_from_the_package(self):
         import accum_model
-        from accum_model._keras import keras
+        from accum_model.keras._adapter import keras
 
         x, y = tu.classification_data(96, in_dim=6)
         model = tu.mlp(

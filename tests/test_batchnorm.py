@@ -19,7 +19,7 @@ from accum_model import AccumBatchNormalization
 from accum_model import AccumModel
 from accum_model import GradientAccumulator
 from accum_model import replace_batchnorm
-from accum_model._keras import keras
+from accum_model.keras._adapter import keras
 from tests import testing_utils as tu
 
 _KERAS3_ONLY = unittest.skipIf(

@@ -20,7 +20,7 @@ import numpy as np
 import tensorflow as tf
 from absl.testing import parameterized
 
-from accum_model._keras import keras
+from accum_model.keras._adapter import keras
 from tests import loopback_cluster
 from tests import noise_scale_problem
 from tests import testing_utils as tu

@@ -18,9 +18,9 @@ import textwrap
 import tensorflow as tf
 from absl.testing import parameterized
 
-from accum_model import _keras
-from accum_model import _private_names
-from accum_model import _versions
+from accum_model.keras import _adapter
+from accum_model.keras import _private_names
+from accum_model.keras import _versions
 from tests import testing_utils as tu
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -182,13 +182,13 @@ def _owns(source, name):
 
 
 def _keras_and_tensorflow_classes():
-    keras = _keras.keras
+    keras = _adapter.keras
     return (
         keras.Model,
         keras.layers.BatchNormalization,
         keras.callbacks.Callback,
         keras.optimizers.Optimizer,
-        _keras.ADAPTER.saveable_base,
+        _adapter.ADAPTER.saveable_base,
         tf.Module,
         tf.Variable,
     )
@@ -202,7 +202,7 @@ def _unlisted(module, source, listed):
         if name not in listed:
             unlisted.add(f"{module}: import {name}")
     # The package's own modules are private by their names only.
-    source = re.sub(r"accum_model\._\w+", "", source)
+    source = re.sub(r"accum_model(?:\.\w+)+", "", source)
     for name in _WRITE_ELSEWHERE.findall(source):
         # On another object: listed, unless the module's own classes set
         # that attribute too (`model._x = ...` beside `self._x = ...`).
@@ -220,7 +220,8 @@ def _unlisted(module, source, listed):
 
 
 def _package_sources():
-    for path in sorted(glob.glob(os.path.join(_ROOT, "accum_model", "*.py"))):
+    pattern = os.path.join(_ROOT, "accum_model", "**", "*.py")
+    for path in sorted(glob.glob(pattern, recursive=True)):
         module = os.path.basename(path)
         if module == "_private_names.py":
             continue  # The list itself.

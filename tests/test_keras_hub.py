@@ -14,7 +14,7 @@ from absl.testing import parameterized
 import accum_model
 from accum_model import AccumModel
 from accum_model import accumulate
-from accum_model._keras import keras
+from accum_model.keras._adapter import keras
 from tests import testing_utils as tu
 
 try:

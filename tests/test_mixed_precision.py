@@ -13,8 +13,8 @@ from absl.testing import parameterized
 
 from accum_model import AccumModel
 from accum_model import GradientAccumulator
-from accum_model._keras import ADAPTER
-from accum_model._keras import keras
+from accum_model.keras._adapter import ADAPTER
+from accum_model.keras._adapter import keras
 from tests import testing_utils as tu
 
 _MICRO, _STEPS = 4, 2

@@ -9,9 +9,9 @@ import tensorflow as tf
 from absl.testing import parameterized
 
 from accum_model import AccumModel
-from accum_model import _epoch_end
-from accum_model._keras import ADAPTER
-from accum_model._keras import keras
+from accum_model.keras._adapter import ADAPTER
+from accum_model.keras._adapter import keras
+from accum_model.model import _epoch_end
 from tests import testing_utils as tu
 
 # (dataset size, micro-batch, accum_steps): divisible, short last micro-batch,

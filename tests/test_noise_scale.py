@@ -10,8 +10,8 @@ from absl.testing import parameterized
 import accum_model
 from accum_model import AccumModel
 from accum_model import GradientAccumulator
-from accum_model import _noise_scale
-from accum_model._keras import keras
+from accum_model.engine import _noise_scale
+from accum_model.keras._adapter import keras
 from tests import noise_scale_problem as problem
 from tests import testing_utils as tu
 

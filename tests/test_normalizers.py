@@ -13,7 +13,7 @@ import tensorflow as tf
 from absl.testing import parameterized
 
 from accum_model import AccumModel
-from accum_model._keras import keras
+from accum_model.keras._adapter import keras
 from tests import testing_utils as tu
 
 _VOCAB, _T, _CLASSES = 7, 6, 3

@@ -23,8 +23,8 @@ import numpy as np
 import tensorflow as tf
 
 from accum_model import AccumModel
-from accum_model._keras import ADAPTER
-from accum_model._keras import keras
+from accum_model.keras._adapter import ADAPTER
+from accum_model.keras._adapter import keras
 from tests import testing_utils as tu
 
 _PROGRAMS = 100

@@ -20,7 +20,7 @@ from absl.testing import absltest
 from absl.testing import parameterized
 
 import accum_model
-from accum_model._keras import keras
+from accum_model.keras._adapter import keras
 from tests import testing_utils as tu
 
 AccumModel = accum_model.AccumModel

@@ -18,8 +18,8 @@ import tensorflow as tf
 from absl.testing import parameterized
 
 import accum_model
-from accum_model import _state
-from accum_model._keras import keras
+from accum_model.engine import _state
+from accum_model.keras._adapter import keras
 from tests import testing_utils as tu
 from tests.fixtures import window_state as fixture
 

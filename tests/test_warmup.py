@@ -7,8 +7,8 @@ from absl.testing import parameterized
 import accum_model
 from accum_model import AccumModel
 from accum_model import AccumStepsWarmup
-from accum_model._keras import keras
-from accum_model._warmup import accum_steps_for_noise_scale
+from accum_model.keras._adapter import keras
+from accum_model.model._warmup import accum_steps_for_noise_scale
 from tests import noise_scale_problem as problem
 from tests import testing_utils as tu
 

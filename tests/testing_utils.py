@@ -12,8 +12,8 @@ import sys
 import numpy as np
 import tensorflow as tf
 
-from accum_model._keras import LEGACY
-from accum_model._keras import keras
+from accum_model.keras._adapter import LEGACY
+from accum_model.keras._adapter import keras
 
 # Keras 3's optimizers have `gradient_accumulation_steps`; tf_keras' do not.
 # The one place the tests learn which Keras generation runs: other test

@@ -196,7 +196,7 @@ def weighted_objective(adapter, model, data, y_pred, loss, scale):
     float32 as it unscales. Call it inside the tape.
 
     Args:
-        adapter: `_keras.ADAPTER`.
+        adapter: `_adapter.ADAPTER`.
         model: The model, whose `compute_loss_normalizer` gives the weight.
         data: `(x, y, sample_weight)` of the micro-batch.
         y_pred: Its predictions.
@@ -229,7 +229,7 @@ def sums_over_batch(adapter, model, y, y_pred, sample_weight):
     then the sum of its slices' losses, and its weight in a window 1.
 
     Args:
-        adapter: The Keras-generation adapter (`_keras.ADAPTER`).
+        adapter: The Keras-generation adapter (`_adapter.ADAPTER`).
         model: The `AccumModel`.
         y, y_pred, sample_weight: A slice, as in `compute_loss`.
 
@@ -257,7 +257,7 @@ def loss_normalizer(adapter, model, x, y, y_pred, sample_weight):
     """The default `AccumModel.compute_loss_normalizer` (rules above).
 
     Args:
-        adapter: The Keras-generation adapter (`_keras.ADAPTER`).
+        adapter: The Keras-generation adapter (`_adapter.ADAPTER`).
         model: The `AccumModel`.
         x, y, y_pred, sample_weight: The micro-batch, as in `compute_loss`.
 

@@ -16,11 +16,11 @@ activations, exactly.
 
 import tensorflow as tf
 
-from accum_model import _keras
-from accum_model import _state
+from accum_model.engine import _state
+from accum_model.keras import _adapter
 
-ADAPTER = _keras.ADAPTER
-keras = _keras.keras
+ADAPTER = _adapter.ADAPTER
+keras = _adapter.keras
 # Keras 3 only: the layer builds on Keras 3's BatchNormalization internals.
 ops = getattr(keras, "ops", None)
 

@@ -13,8 +13,8 @@ import os
 
 import tensorflow as tf
 
-from accum_model import _versions
-from accum_model._control_flow import first_replica
+from accum_model.core._control_flow import first_replica
+from accum_model.keras import _versions
 
 # Before `tf.keras` is read: on an older TensorFlow it is Keras 2 whatever
 # is installed, and the rest of this module cannot load.

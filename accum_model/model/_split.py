@@ -27,10 +27,10 @@ rows at a dynamic offset, then the rest of the batch, cut outside the loop
 
 import tensorflow as tf
 
-from accum_model import _keras
-from accum_model import _normalizers
+from accum_model.keras import _adapter
+from accum_model.model import _normalizers
 
-ADAPTER = _keras.ADAPTER
+ADAPTER = _adapter.ADAPTER
 
 
 def train_batch(model, accumulator, data, size, *, scale, xla, resumable):

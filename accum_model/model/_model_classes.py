@@ -14,10 +14,10 @@ the classes it makes.
 import functools
 import inspect
 
-from accum_model import _keras
+from accum_model.keras import _adapter
 
-ADAPTER = _keras.ADAPTER
-keras = _keras.keras
+ADAPTER = _adapter.ADAPTER
+keras = _adapter.keras
 
 # The constructor arguments `AccumModel` adds to a Keras model's.
 ARGUMENTS = (

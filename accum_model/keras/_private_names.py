@@ -45,7 +45,7 @@ _MICRO_BATCH_SETTING = (
 )
 
 PRIVATE_NAMES = {
-    "_keras.py": {
+    "_adapter.py": {
         # Imports (the private modules' functions and classes).
         "keras.src.models": "Keras 3's `Functional` and its constructor "
         "checks, `inject_functional_model_class`, and `clone_model`'s module: "

@@ -15,10 +15,10 @@ import os
 
 import numpy as np
 
-from accum_model import _keras
-from accum_model._validation import check_integer
+from accum_model.core._validation import check_integer
+from accum_model.keras import _adapter
 
-ADAPTER = _keras.ADAPTER
+ADAPTER = _adapter.ADAPTER
 
 _METADATA = "resume.json"
 

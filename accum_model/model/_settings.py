@@ -10,16 +10,16 @@ the `GradientAccumulator` that `gradient_accumulator` returns.
 
 import inspect
 
-from accum_model import _adascale
-from accum_model import _keras
-from accum_model import _noise_scale
-from accum_model._model_classes import UNSET
-from accum_model._validation import check_accum_steps
-from accum_model._validation import check_epoch_end
-from accum_model._validation import check_micro_batch_size
+from accum_model.core._validation import check_accum_steps
+from accum_model.core._validation import check_epoch_end
+from accum_model.core._validation import check_micro_batch_size
+from accum_model.engine import _adascale
+from accum_model.engine import _noise_scale
+from accum_model.keras import _adapter
+from accum_model.model._model_classes import UNSET
 
-ADAPTER = _keras.ADAPTER
-keras = _keras.keras
+ADAPTER = _adapter.ADAPTER
+keras = _adapter.keras
 
 
 class AccumSettings:

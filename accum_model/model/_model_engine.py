@@ -12,15 +12,15 @@ import weakref
 
 import tensorflow as tf
 
-from accum_model import _adascale
-from accum_model import _keras
-from accum_model import _state
-from accum_model._accumulator import GradientAccumulator
-from accum_model._optimizers import build_optimizer
-from accum_model._validation import check_optimizer_not_accumulating
+from accum_model.core._validation import check_optimizer_not_accumulating
+from accum_model.engine import _adascale
+from accum_model.engine import _state
+from accum_model.engine._accumulator import GradientAccumulator
+from accum_model.keras import _adapter
+from accum_model.keras._optimizers import build_optimizer
 
-ADAPTER = _keras.ADAPTER
-keras = _keras.keras
+ADAPTER = _adapter.ADAPTER
+keras = _adapter.keras
 
 
 class ModelEngine(ADAPTER.saveable_base):

@@ -41,10 +41,10 @@ import warnings
 
 import tensorflow as tf
 
-from accum_model import _keras
-from accum_model import _normalizers
+from accum_model.keras import _adapter
+from accum_model.model import _normalizers
 
-ADAPTER = _keras.ADAPTER
+ADAPTER = _adapter.ADAPTER
 
 # How the errors this train function raises begin.
 _OURS = 'micro_batch_size="auto": '

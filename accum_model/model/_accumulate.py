@@ -9,19 +9,19 @@ such a model back accumulating.
 
 import warnings
 
-from accum_model import _adascale
-from accum_model import _clone_hook
-from accum_model import _keras
-from accum_model import _model_classes
-from accum_model import _noise_scale
-from accum_model._model import AccumModel
-from accum_model._validation import check_accum_steps
-from accum_model._validation import check_epoch_end
-from accum_model._validation import check_keywords
-from accum_model._validation import check_micro_batch_size
+from accum_model.core._validation import check_accum_steps
+from accum_model.core._validation import check_epoch_end
+from accum_model.core._validation import check_keywords
+from accum_model.core._validation import check_micro_batch_size
+from accum_model.engine import _adascale
+from accum_model.engine import _noise_scale
+from accum_model.keras import _adapter
+from accum_model.keras import _clone_hook
+from accum_model.model import _model_classes
+from accum_model.model._model import AccumModel
 
-ADAPTER = _keras.ADAPTER
-keras = _keras.keras
+ADAPTER = _adapter.ADAPTER
+keras = _adapter.keras
 
 # `accumulate`'s defaults of `epoch_end` and `noise_scale`: "apply" and off
 # for a model made to accumulate now, unchanged for one that already does.

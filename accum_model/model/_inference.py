@@ -17,11 +17,11 @@ mode, inside the one compiled step (`_split.stacked_loop`).
 
 import tensorflow as tf
 
-from accum_model import _keras
-from accum_model import _normalizers
-from accum_model import _split
+from accum_model.keras import _adapter
+from accum_model.model import _normalizers
+from accum_model.model import _split
 
-ADAPTER = _keras.ADAPTER
+ADAPTER = _adapter.ADAPTER
 
 
 def test_batch(model, data, size, xla):

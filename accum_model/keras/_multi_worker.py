@@ -1,8 +1,8 @@
 """`MultiWorkerFitWorkarounds`: Keras 3.15's `fit` under MultiWorkerMirrored."""
 
-from accum_model import _keras
+from accum_model.keras import _adapter
 
-ADAPTER = _keras.ADAPTER
+ADAPTER = _adapter.ADAPTER
 
 
 class MultiWorkerFitWorkarounds:

@@ -2,10 +2,10 @@
 
 import math
 
-from accum_model import _keras
-from accum_model._validation import check_accum_steps
-from accum_model._validation import check_integer
-from accum_model._validation import is_real
+from accum_model.core._validation import check_accum_steps
+from accum_model.core._validation import check_integer
+from accum_model.core._validation import is_real
+from accum_model.keras import _adapter
 
 
 def accum_steps_for_noise_scale(
@@ -46,7 +46,7 @@ def accum_steps_for_noise_scale(
     return steps, target
 
 
-class AccumStepsWarmup(_keras.ADAPTER.callback_base):
+class AccumStepsWarmup(_adapter.ADAPTER.callback_base):
     """Grows `accum_steps` during `fit`: a batch-size warm-up.
 
     Changes `model.accum_steps` of an `AccumModel` between windows (no

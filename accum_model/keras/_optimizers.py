@@ -9,10 +9,10 @@ way out (`_close`).
 
 import tensorflow as tf
 
-from accum_model import _control_flow
-from accum_model import _keras
+from accum_model.core import _control_flow
+from accum_model.keras import _adapter
 
-ADAPTER = _keras.ADAPTER
+ADAPTER = _adapter.ADAPTER
 
 
 def build_optimizer(optimizer, variables):

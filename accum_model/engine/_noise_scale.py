@@ -30,11 +30,11 @@ This module knows TensorFlow only.
 
 import tensorflow as tf
 
-from accum_model import _state
-from accum_model._validation import SettingConfig
-from accum_model._validation import as_setting
-from accum_model._validation import check_integer
-from accum_model._validation import is_real
+from accum_model.core._validation import SettingConfig
+from accum_model.core._validation import as_setting
+from accum_model.core._validation import check_integer
+from accum_model.core._validation import is_real
+from accum_model.engine import _state
 
 
 class NoiseScale(SettingConfig):

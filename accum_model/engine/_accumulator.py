@@ -24,17 +24,17 @@ the optimizer, the hooks) run by one conditional (`_close.close_if`).
 
 import tensorflow as tf
 
-from accum_model import _adascale
-from accum_model import _close
-from accum_model import _contribution
-from accum_model import _control_flow
-from accum_model import _keras
-from accum_model import _noise_scale
-from accum_model import _state
-from accum_model._validation import check_accum_steps
-from accum_model._validation import check_optimizer_not_accumulating
+from accum_model.core import _control_flow
+from accum_model.core._validation import check_accum_steps
+from accum_model.core._validation import check_optimizer_not_accumulating
+from accum_model.engine import _adascale
+from accum_model.engine import _close
+from accum_model.engine import _contribution
+from accum_model.engine import _noise_scale
+from accum_model.engine import _state
+from accum_model.keras import _adapter
 
-ADAPTER = _keras.ADAPTER
+ADAPTER = _adapter.ADAPTER
 
 
 class GradientAccumulator(tf.Module):

@@ -9,11 +9,11 @@ import inspect
 
 import tensorflow as tf
 
-from accum_model import _keras
-from accum_model._control_flow import first_replica
+from accum_model.core._control_flow import first_replica
+from accum_model.keras import _adapter
 
-ADAPTER = _keras.ADAPTER
-keras = _keras.keras
+ADAPTER = _adapter.ADAPTER
+keras = _adapter.keras
 
 
 def with_flush_callback(model, state, next_fit, args, kwargs):

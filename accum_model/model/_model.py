@@ -12,27 +12,27 @@ import weakref
 
 import tensorflow as tf
 
-from accum_model import _adascale
-from accum_model import _auto
-from accum_model import _epoch_end
-from accum_model import _inference
-from accum_model import _keras
-from accum_model import _model_classes
-from accum_model import _noise_scale
-from accum_model import _normalizers
-from accum_model import _split
-from accum_model._model_engine import ModelEngine
-from accum_model._multi_worker import MultiWorkerFitWorkarounds
-from accum_model._settings import AccumSettings
-from accum_model._validation import check_accum_steps
-from accum_model._validation import check_epoch_end
-from accum_model._validation import check_keywords
-from accum_model._validation import check_micro_batch_size
-from accum_model._validation import check_not_fit_arguments
-from accum_model._validation import check_optimizer_not_accumulating
+from accum_model.core._validation import check_accum_steps
+from accum_model.core._validation import check_epoch_end
+from accum_model.core._validation import check_keywords
+from accum_model.core._validation import check_micro_batch_size
+from accum_model.core._validation import check_not_fit_arguments
+from accum_model.core._validation import check_optimizer_not_accumulating
+from accum_model.engine import _adascale
+from accum_model.engine import _noise_scale
+from accum_model.keras import _adapter
+from accum_model.keras._multi_worker import MultiWorkerFitWorkarounds
+from accum_model.model import _auto
+from accum_model.model import _epoch_end
+from accum_model.model import _inference
+from accum_model.model import _model_classes
+from accum_model.model import _normalizers
+from accum_model.model import _split
+from accum_model.model._model_engine import ModelEngine
+from accum_model.model._settings import AccumSettings
 
-ADAPTER = _keras.ADAPTER
-keras = _keras.keras
+ADAPTER = _adapter.ADAPTER
+keras = _adapter.keras
 UNSET = _model_classes.UNSET
 
 

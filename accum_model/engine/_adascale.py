@@ -25,14 +25,14 @@ import numbers
 
 import tensorflow as tf
 
-from accum_model import _keras
-from accum_model import _noise_scale
-from accum_model import _state
-from accum_model._validation import SettingConfig
-from accum_model._validation import as_setting
-from accum_model._validation import is_real
+from accum_model.core._validation import SettingConfig
+from accum_model.core._validation import as_setting
+from accum_model.core._validation import is_real
+from accum_model.engine import _noise_scale
+from accum_model.engine import _state
+from accum_model.keras import _adapter
 
-ADAPTER = _keras.ADAPTER
+ADAPTER = _adapter.ADAPTER
 
 
 class AdaScale(SettingConfig):

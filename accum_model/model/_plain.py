@@ -9,12 +9,12 @@ before `accumulate`, or Keras' Functional model for a functional
 `AccumModel`, and never the window.
 """
 
-from accum_model import _keras
-from accum_model import _model_classes
-from accum_model._model import AccumModel
-from accum_model._model import training_state
+from accum_model.keras import _adapter
+from accum_model.model import _model_classes
+from accum_model.model._model import AccumModel
+from accum_model.model._model import training_state
 
-ADAPTER = _keras.ADAPTER
+ADAPTER = _adapter.ADAPTER
 
 
 def save_plain(model, filepath, **kwargs):

@@ -19,13 +19,13 @@ again. The engine does the same per micro-batch
   scale therefore evolves exactly as in plain `fit` with batch `B` over the
   same micro-batches.
 
-This module knows TensorFlow only; `_keras.ADAPTER` says where each Keras
+This module knows TensorFlow only; `_adapter.ADAPTER` says where each Keras
 generation keeps its loss-scale variables (`dynamic_loss_scale`).
 """
 
 import tensorflow as tf
 
-from accum_model import _control_flow
+from accum_model.core import _control_flow
 
 
 def all_replicas_finite(grads):

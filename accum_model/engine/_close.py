@@ -14,12 +14,14 @@ import weakref
 
 import tensorflow as tf
 
-from accum_model import _control_flow
-from accum_model import _keras
-from accum_model import _mixed_precision
-from accum_model._optimizers import build_optimizer_in_cross_replica_context
+from accum_model.core import _control_flow
+from accum_model.engine import _mixed_precision
+from accum_model.keras import _adapter
+from accum_model.keras._optimizers import (
+    build_optimizer_in_cross_replica_context,
+)
 
-ADAPTER = _keras.ADAPTER
+ADAPTER = _adapter.ADAPTER
 
 
 def close_if(engine, should_close, optimizer, xla, compile_update):
