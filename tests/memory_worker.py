@@ -128,7 +128,7 @@ class _PartialAdditions:
                 counts.append(
                     sum(
                         int(part.numpy()) > done
-                        for v in accumulator._rows_added
+                        for v in accumulator._engine.rows_added
                         for part in getattr(v, "values", (v,))
                     )
                 )

@@ -37,7 +37,7 @@ class HandComputedTest(tf.test.TestCase, parameterized.TestCase):
         self.assertEqual(float(acc.weight_sum), 0.0)
         # The next window starts from nothing, not from the last one's sum.
         acc.step([tf.constant([1.0])], opt)
-        self.assertAllClose(acc._accumulators[0], [1.0])
+        self.assertAllClose(acc._engine.accumulators[0], [1.0])
 
     def test_weighted_mean(self):
         # A micro-batch of 4 samples with mean gradient 1 and one of 2

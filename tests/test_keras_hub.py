@@ -269,7 +269,7 @@ class BertTest(tf.test.TestCase, parameterized.TestCase):
         # The window holds one float32 sum per trainable variable (besides
         # counters and a flag per variable): as many bytes as the trainable
         # weights.
-        window = engine._accumulators
+        window = engine._engine.accumulators
         nbytes = lambda vs: sum(  # noqa: E731
             int(np.prod(v.shape)) * tf.as_dtype(v.dtype).size for v in vs
         )

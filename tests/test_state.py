@@ -18,6 +18,7 @@ import tensorflow as tf
 from absl.testing import parameterized
 
 import accum_model
+from accum_model.engine import _formats
 from accum_model.engine import _state
 from accum_model.keras._adapter import keras
 from tests import testing_utils as tu
@@ -160,7 +161,7 @@ class FixtureTest(tf.test.TestCase, parameterized.TestCase):
         )
         with (
             mock.patch.object(_state, "ENGINE", _state.ENGINE + (future,)),
-            mock.patch.object(_state, "FORMAT_VERSION", 3),
+            mock.patch.object(_formats, "FORMAT_VERSION", 3),
         ):
             model = self._restored(prefix, kind)
         engine = model.gradient_accumulator
@@ -179,8 +180,8 @@ class FixtureTest(tf.test.TestCase, parameterized.TestCase):
 
     def test_a_later_format_is_refused(self):
         def newer(group):
-            del group[_state.VERSION_KEY]
-            group[_state.VERSION_KEY] = np.int64(_state.FORMAT_VERSION + 1)
+            del group[_formats.VERSION_KEY]
+            group[_formats.VERSION_KEY] = np.int64(_formats.FORMAT_VERSION + 1)
 
         self._loads_nothing(
             self._edited_copy(newer, "structure_auto"),

@@ -30,6 +30,7 @@ from accum_model.core._validation import check_optimizer_not_accumulating
 from accum_model.engine import _adascale
 from accum_model.engine import _close
 from accum_model.engine import _contribution
+from accum_model.engine import _engine_state
 from accum_model.engine import _noise_scale
 from accum_model.engine import _state
 from accum_model.keras import _adapter
@@ -100,46 +101,14 @@ class GradientAccumulator(tf.Module):
         noise_scale = _adascale.measurement_for(
             adascale, _noise_scale.as_config(noise_scale)
         )
-        variables = list(variables)
         super().__init__(name=name or "gradient_accumulator")
-        self._variables = variables
-        self._apply_hooks = []
-        # The window's update compiled with XLA, per optimizer and variables
-        # receiving gradients (`_close.update_function`); not a dict, which
-        # `tf.Module` would track, and a checkpoint refuse (tuple keys).
-        self._compiled_updates = _close.CompiledUpdates()
-        # Which variables ever received a gradient: the others get `None` at
-        # apply, as plain training gives them (so the optimizer neither
-        # decays nor counts them, and warns as Keras does). Known when a
-        # step is traced (Python, shared by the replicas' traces: only ever
-        # grows), and saved (`received`) so that a restored window can be
-        # applied before any step is traced.
-        self._received = [False] * len(variables)
-        # Every variable, by name (`_state`); the attributes are views.
+        # Every variable, by name (`_state`), tracked by checkpoints here.
         self.state = _state.WindowState()
-        engine, accumulators, received, batch = _state.declare_engine(
-            self.state, variables, accum_steps
+        # What `_contribution` and `_close` are handed: the state's one
+        # owner is this engine.
+        self._engine = _engine_state.EngineState(
+            self.state, variables, accum_steps, noise_scale, adascale
         )
-        self._accumulators = accumulators
-        self._received_flags = received
-        self._batch_open = batch["open"]
-        self._batch_sums = batch["sums"]
-        self._rows_added = batch["rows_added"]
-        self._accum_steps = engine["accum_steps"]
-        self._window_steps = engine["window_steps"]
-        self._micro_step = engine["micro_step"]
-        self._contributed = engine["contributed_steps"]
-        self._weight_sum = engine["weight_sum"]
-        self._skipped = engine["skipped_microbatches"]
-        self._discarded = engine["discarded_windows"]
-        self._noise_scale = None
-        if noise_scale is not None:
-            self._noise_scale = _noise_scale.NoiseScaleEstimator(
-                noise_scale, self.state
-            )
-        self._adascale = None
-        if adascale is not None:
-            self._adascale = _adascale.AdaScaleState(adascale, self.state)
 
     @property
     def state_variables(self):
@@ -156,18 +125,7 @@ class GradientAccumulator(tf.Module):
         With it, what a batch cut short by an error had added (`fit` calls
         this when a training step fails part-way).
         """
-        self._end_window(closed=False)
-        for v in self.state.batch_variables():
-            v.assign(tf.zeros_like(v))
-
-    def _end_window(self, closed):
-        # The next window's length is latched here, when the last one ends,
-        # rather than tested on every micro-batch.
-        self._window_steps.assign(self._accum_steps.read_value())
-        for v in self.state.window_variables():
-            v.assign(tf.zeros_like(v))
-        if closed and self._noise_scale is not None:
-            self._noise_scale.count_closed_window()
+        self._engine.reset()
 
     # Read-mostly views of the state.
 
@@ -176,41 +134,37 @@ class GradientAccumulator(tf.Module):
         """Int. Micro-batches per update; set it to change the next window."""
         # Read eagerly, also while a step is traced (Python decisions).
         with tf.init_scope():
-            return int(self._accum_steps.numpy())
+            return int(self._engine.accum_steps.numpy())
 
     @accum_steps.setter
     def accum_steps(self, value):
-        value = check_accum_steps(value)
-        self._accum_steps.assign(value)
-        # Between windows the next one is not open yet: it takes the value.
-        if int(self._micro_step.read_value()) == 0:
-            self._window_steps.assign(value)
+        self._engine.set_accum_steps(check_accum_steps(value))
 
     @property
     def updated_variables(self):
         """The variables whose gradients are accumulated, in `grads` order."""
-        return list(self._variables)
+        return list(self._engine.variables)
 
     @property
     def micro_step(self):
         """Int64 tensor. Micro-batches seen in the current window."""
-        return self._micro_step.read_value()
+        return self._engine.micro_step.read_value()
 
     @property
     def weight_sum(self):
         """Float32 tensor. Sum of the weights accumulated in this window."""
-        return self._weight_sum.read_value()
+        return self._engine.weight_sum.read_value()
 
     @property
     def skipped_microbatches(self):
         """Int64 tensor. Micro-batches left out for non-finite gradients."""
-        return self._skipped.read_value()
+        return self._engine.skipped.read_value()
 
     @property
     def discarded_windows(self):
         """Int64 tensor. Windows discarded whole, not applied, as their
         gradients held an `inf` or `NaN` (on any replica) when they closed."""
-        return self._discarded.read_value()
+        return self._engine.discarded.read_value()
 
     @property
     def noise_scale(self):
@@ -220,13 +174,13 @@ class GradientAccumulator(tf.Module):
         `micro_batch_weight`, `window_weight`, `last_trace_sigma`,
         `last_grad_sq_norm`, and the int `measurements`.
         """
-        return self._noise_scale
+        return self._engine.noise_scale
 
     @property
     def adascale(self):
         """The `AdaScaleState` (`tau`, `gain`, `learning_rate` tensors), or
         None when off (docs/adascale.md)."""
-        return self._adascale
+        return self._engine.adascale
 
     def check_optimizer(self, optimizer):
         """Raises if `optimizer` cannot apply this engine's windows.
@@ -239,7 +193,7 @@ class GradientAccumulator(tf.Module):
                 `accum_model.AdaScale`'s optimizer check (SGD only).
         """
         check_optimizer_not_accumulating(optimizer)
-        if self._adascale is not None:
+        if self._engine.adascale is not None:
             _adascale.check_optimizer(optimizer)
 
     def add_apply_hook(self, fn):
@@ -252,7 +206,7 @@ class GradientAccumulator(tf.Module):
         Args:
             fn: Callable without arguments.
         """
-        self._apply_hooks.append(fn)
+        self._engine.apply_hooks.append(fn)
 
     # The front ends: a micro-batch in, a window out.
 
@@ -305,8 +259,10 @@ class GradientAccumulator(tf.Module):
             jit_compile=xla,
             weight_in_loss=weight_in_loss,
         )
-        full = self._micro_step >= self._window_steps
-        return _close.close_if(self, full, optimizer, xla, compile_update)
+        full = self._engine.full()
+        return _close.close_if(
+            self._engine, full, optimizer, xla, compile_update
+        )
 
     def accumulate(
         self,
@@ -354,19 +310,16 @@ class GradientAccumulator(tf.Module):
                 or (with `optimizer`) as `step()` raises.
         """
         grads = list(grads)
-        if len(grads) != len(self._accumulators):
+        if len(grads) != len(self._engine.accumulators):
             raise ValueError(
                 "`grads` must hold one gradient per variable of the "
-                f"accumulator ({len(self._accumulators)}). "
+                f"accumulator ({len(self._engine.accumulators)}). "
                 f"Received: {len(grads)} gradients"
             )
-        # Python state, shared by the replicas' traces: the union of what
-        # every trace saw, whatever their order.
-        self._received = [
-            r or g is not None for r, g in zip(self._received, grads)
-        ]
+        # Known at trace time, shared by the replicas' traces.
+        self._engine.received.note(grads)
         _contribution.add_microbatch(
-            self,
+            self._engine,
             grads,
             weight,
             is_finite,
@@ -382,17 +335,23 @@ class GradientAccumulator(tf.Module):
         On any replica: its additions may be in the accumulators, the rest
         not (`reset` discards them).
         """
-        parts = getattr(self._batch_open, "values", (self._batch_open,))
+        parts = getattr(
+            self._engine.batch_open, "values", (self._engine.batch_open,)
+        )
         return any(int(p.numpy()) for p in parts)
 
     def progress_variables(self):
         """`[micro_step, contributed_steps, batch sums]`: how far a step got
         (`_auto` reads them before and after an error, per replica)."""
-        return [self._micro_step, self._contributed, self._batch_sums]
+        return [
+            self._engine.micro_step,
+            self._engine.contributed,
+            self._engine.batch_sums,
+        ]
 
     def batch_rows(self):
         """Float32 tensor: the rows of the open batch whose slices are in."""
-        return self._batch_sums[_state.BATCH_SUMS.index("rows")]
+        return self._engine.batch_rows()
 
     def add_slice(
         self,
@@ -423,21 +382,21 @@ class GradientAccumulator(tf.Module):
                 error, and no row is added twice (docs/micro_batch.md).
         """
         grads = list(grads)
-        if len(grads) != len(self._accumulators):
+        if len(grads) != len(self._engine.accumulators):
             raise ValueError(
                 "`grads` must hold one gradient per variable of the "
-                f"accumulator ({len(self._accumulators)}). "
+                f"accumulator ({len(self._engine.accumulators)}). "
                 f"Received: {len(grads)} gradients"
             )
         _contribution.add_slice(
-            self,
+            self._engine,
             grads,
             weight,
             loss,
             scale=scale,
             rows=rows,
             rows_end=rows_end,
-            measure=self._noise_scale is not None,
+            measure=self._engine.noise_scale is not None,
             resumable=resumable,
         )
 
@@ -468,10 +427,10 @@ class GradientAccumulator(tf.Module):
         if ADAPTER.is_loss_scale_optimizer(optimizer):
             dynamic = ADAPTER.dynamic_loss_scale(optimizer)
         loss, weight = _contribution.end_batch(
-            self, summed=summed, dynamic_loss_scale=dynamic
+            self._engine, summed=summed, dynamic_loss_scale=dynamic
         )
-        full = self._micro_step >= self._window_steps
-        _close.close_if(self, full, optimizer, xla, compile_update)
+        full = self._engine.full()
+        _close.close_if(self._engine, full, optimizer, xla, compile_update)
         return loss, weight
 
     def apply(self, optimizer, jit_compile=None, compile_update=True):
@@ -490,7 +449,11 @@ class GradientAccumulator(tf.Module):
         self.check_optimizer(optimizer)
         xla = _resolve_xla(jit_compile)
         return _close.close_if(
-            self, self._micro_step > 0, optimizer, xla, compile_update
+            self._engine,
+            self._engine.micro_step > 0,
+            optimizer,
+            xla,
+            compile_update,
         )
 
 

@@ -10,8 +10,6 @@ compiled with XLA where it can be) and the hooks; then the window ends.
 Under XLA every read of the accumulators goes through `_kept_in_loop`.
 """
 
-import weakref
-
 import tensorflow as tf
 
 from accum_model.core import _control_flow
@@ -24,14 +22,14 @@ from accum_model.keras._optimizers import (
 ADAPTER = _adapter.ADAPTER
 
 
-def close_if(engine, should_close, optimizer, xla, compile_update):
-    """Closes `engine`'s window (`close_window`) if `should_close` holds.
+def close_if(state, should_close, optimizer, xla, compile_update):
+    """Closes `state`'s window (`close_window`) if `should_close` holds.
 
     Everything a close does happens inside the conditional, so a micro-batch
     that does not close a window runs none of it.
 
     Args:
-        engine: The `GradientAccumulator`.
+        state: The engine's `EngineState`.
         should_close: Bool scalar tensor.
         optimizer: The optimizer to apply the mean with.
         xla: Bool, whether the graph is compiled by XLA.
@@ -40,20 +38,20 @@ def close_if(engine, should_close, optimizer, xla, compile_update):
     Returns:
         `should_close`.
     """
-    build_optimizer_in_cross_replica_context(optimizer, engine._variables)
+    build_optimizer_in_cross_replica_context(optimizer, state.variables)
     update = update_function(
-        engine, optimizer, receiving(engine), xla, compile_update
+        state, optimizer, state.received.at_apply(), xla, compile_update
     )
     _control_flow.run_in_replicas_if(
         should_close,
-        lambda: close_window(engine, optimizer, update, xla),
+        lambda: close_window(state, optimizer, update, xla),
         xla,
     )
     return should_close
 
 
-def close_window(engine, optimizer, update, xla):
-    """Closes `engine`'s open window, in replica context.
+def close_window(state, optimizer, update, xla):
+    """Closes `state`'s open window, in replica context.
 
     A window whose micro-batches were all left out applies nothing; one
     whose sums are not finite on some replica is discarded, never applied.
@@ -61,59 +59,34 @@ def close_window(engine, optimizer, update, xla):
     first contribution overwrites them.
 
     Args:
-        engine: The `GradientAccumulator`.
+        state: The engine's `EngineState`.
         optimizer: The optimizer the window is applied with.
         update: What `update_function` returned for them, or None when no
             variable gets a gradient.
         xla: Bool, whether the graph is compiled by XLA.
     """
-    has_data = engine._contributed > 0
-    finite = window_is_finite(engine, xla)
+    has_data = state.contributed > 0
+    finite = window_is_finite(state, xla)
     _control_flow.run_in_replicas_if(
         tf.logical_and(has_data, finite),
-        lambda: _apply_mean(engine, optimizer, update, xla),
+        lambda: _apply_mean(state, optimizer, update, xla),
         xla,
     )
     discarded = tf.logical_and(has_data, tf.logical_not(finite))
-    engine._discarded.assign_add(tf.cast(discarded, tf.int64))
-    engine._end_window(closed=True)
+    state.discarded.assign_add(tf.cast(discarded, tf.int64))
+    state.end_window(closed=True)
 
 
-def _apply_mean(engine, optimizer, update, xla):
-    inverse = inverse_weight(engine, optimizer, xla)
+def _apply_mean(state, optimizer, update, xla):
+    inverse = inverse_weight(state, optimizer, xla)
     if update is None:
         return
     update(inverse)
-    for hook in engine._apply_hooks:
+    for hook in state.apply_hooks:
         hook()
 
 
-class CompiledUpdates:
-    """The compiled updates of one engine, by (optimizer, receiving).
-
-    A plain object: `tf.Module` tracks the dicts set as its attributes,
-    and a checkpoint (tf_keras' `BackupAndRestore`, `save_weights` in
-    TensorFlow's format) refuses one with tuple keys.
-    """
-
-    def __init__(self):
-        self._entries = {}
-
-    def get(self, optimizer, receiving):
-        """The update compiled for `optimizer`, or None."""
-        entry = self._entries.get((id(optimizer), tuple(receiving)))
-        if entry is not None and entry[0]() is optimizer:
-            return entry[1]
-        return None
-
-    def put(self, optimizer, receiving, function):
-        self._entries[id(optimizer), tuple(receiving)] = (
-            weakref.ref(optimizer),
-            function,
-        )
-
-
-def update_function(engine, optimizer, receiving, xla, compile_update):
+def update_function(state, optimizer, receiving, xla, compile_update):
     """The window's update, `update(inverse)`: applies `acc * inverse`.
 
     Compiled with XLA (one fused pass per variable, no temporaries) when
@@ -128,7 +101,7 @@ def update_function(engine, optimizer, receiving, xla, compile_update):
     replica's copy through the strategy: both run as Keras runs them.
 
     Args:
-        engine: The `GradientAccumulator`.
+        state: The engine's `EngineState`.
         optimizer: The optimizer to apply the mean with.
         receiving: Per variable, whether it gets a gradient (`receiving`).
         xla: Bool, whether the graph is compiled by XLA.
@@ -147,14 +120,14 @@ def update_function(engine, optimizer, receiving, xla, compile_update):
         grads = [
             tf.cast(acc * inverse, v.dtype) if received else None
             for acc, v, received in zip(
-                engine._accumulators, engine._variables, receiving
+                state.accumulators, state.variables, receiving
             )
         ]
         # Unscaled and checked already: a LossScaleOptimizer's inner
         # optimizer applies them. In a scope: a function's root scope
         # refuses names that start with "_", as an optimizer's may.
         with tf.name_scope("update"):
-            ADAPTER.apply_gradients(optimizer, grads, engine._variables)
+            ADAPTER.apply_gradients(optimizer, grads, state.variables)
 
     if (
         compile_update
@@ -163,7 +136,7 @@ def update_function(engine, optimizer, receiving, xla, compile_update):
         and not tf.distribute.has_strategy()
         and _control_flow.xla_available()
     ):
-        cached = engine._compiled_updates.get(optimizer, receiving)
+        cached = state.compiled_updates.get(optimizer, receiving)
         if cached is not None:
             # One compiled update per optimizer and variables receiving
             # gradients: retraces of the step (a new slice size, a new
@@ -174,13 +147,13 @@ def update_function(engine, optimizer, receiving, xla, compile_update):
         # first trace does: TensorFlow then traces the step again, and a
         # layer that seeds each trace (tf_keras' Dropout) draws what it
         # draws in plain fit.
-        ADAPTER.build_optimizer_in_trace(optimizer, engine._variables)
+        ADAPTER.build_optimizer_in_trace(optimizer, state.variables)
         compiled = tf.function(accum_model_window_update, jit_compile=True)
         if not _check_xla_compiles(compiled):
             # Its slots were created by the step being traced: XLA cannot
             # read them yet, so a copy of the optimizer answers.
-            _check_xla_compiles_copy(optimizer, engine._variables, receiving)
-        engine._compiled_updates.put(optimizer, receiving, compiled)
+            _check_xla_compiles_copy(optimizer, state.variables, receiving)
+        state.compiled_updates.put(optimizer, receiving, compiled)
         return compiled
     return accum_model_window_update
 
@@ -261,34 +234,17 @@ def _check_xla_compiles_copy(optimizer, variables, receiving):
         _compiles(lambda: probe.experimental_get_compiler_ir())
 
 
-def receiving(engine):
-    """Per variable: whether it gets a gradient at apply (trace time).
-
-    What traced steps have seen, joined with what was saved: a window
-    restored from a file or checkpoint is applicable before any step.
-    """
-    if all(engine._received):
-        return engine._received
-    # Read eagerly, without `merge_call`: under a strategy every replica
-    # reads its own copy (all equal), so the replicas' traces stay alike
-    # whichever of them updates the shared Python list first.
-    with tf.init_scope():
-        saved = engine._received_flags.numpy()
-    engine._received = [r or bool(s) for r, s in zip(engine._received, saved)]
-    return engine._received
-
-
-def window_is_finite(engine, xla):
+def window_is_finite(state, xla):
     """Bool scalar: whether the window is finite on every replica.
 
     Under a strategy the replicas' counts are summed, so the decision is the
     same on every replica.
     """
-    accumulators = engine._accumulators + [engine._weight_sum]
+    accumulators = state.accumulators + [state.weight_sum]
 
     def exact():
         return _mixed_precision.non_finite_count(
-            _kept_in_loop(engine, accumulators)
+            _kept_in_loop(state, accumulators)
         )
 
     # A finite sum proves every element finite (an inf or NaN makes it inf
@@ -305,7 +261,7 @@ def window_is_finite(engine, xla):
     return _mixed_precision.none_on_any_replica(bad)
 
 
-def _kept_in_loop(engine, accumulators):
+def _kept_in_loop(state, accumulators):
     """The accumulators, as values XLA keeps inside the close's loop.
 
     XLA hoists work on values a loop does not change out of it, assuming
@@ -315,11 +271,11 @@ def _kept_in_loop(engine, accumulators):
     micro-batch), they are values the loop changes: exactly equal, and the
     multiply fuses into the reduction.
     """
-    live = tf.cast(engine._micro_step > 0, tf.float32)
+    live = tf.cast(state.micro_step > 0, tf.float32)
     return [v * live for v in accumulators]
 
 
-def inverse_weight(engine, optimizer, xla):
+def inverse_weight(state, optimizer, xla):
     """Float32 scalar the accumulators are multiplied by: `gain / W`.
 
     `W` is the window's weight summed over replicas (they may hold unequal,
@@ -328,13 +284,13 @@ def inverse_weight(engine, optimizer, xla):
     it. A zero `W` (all samples weighted 0) gives a zero gradient, as the
     large batch's zero loss would.
     """
-    weight_sum = engine._weight_sum.read_value()
-    noise = engine._noise_scale
+    weight_sum = state.weight_sum.read_value()
+    noise = state.noise_scale
     if noise is not None:
         # Before the update, from this replica's window.
-        accumulators = engine._accumulators
+        accumulators = state.accumulators
         if xla:
-            accumulators = _kept_in_loop(engine, accumulators)
+            accumulators = _kept_in_loop(state, accumulators)
         statistics = noise.statistics(accumulators, weight_sum)
     replicas = 1
     if tf.distribute.has_strategy():
@@ -354,10 +310,8 @@ def inverse_weight(engine, optimizer, xla):
     if noise is not None:
         noise.update(statistics, weight_sum, replicas)
     inverse = tf.math.divide_no_nan(1.0, weight_sum)
-    if engine._adascale is not None:
+    if state.adascale is not None:
         # The gain is a learning-rate multiplier; for SGD (the only
         # optimizer allowed) it is the same on the gradient.
-        inverse = inverse * engine._adascale.factor(
-            noise, weight_sum, optimizer
-        )
+        inverse = inverse * state.adascale.factor(noise, weight_sum, optimizer)
     return inverse

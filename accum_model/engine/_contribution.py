@@ -26,7 +26,7 @@ ADAPTER = _adapter.ADAPTER
 
 
 def add_microbatch(
-    engine,
+    state,
     grads,
     weight,
     is_finite,
@@ -36,10 +36,10 @@ def add_microbatch(
     weight_in_loss,
     xla,
 ):
-    """Adds one micro-batch to `engine`'s window (see the module).
+    """Adds one micro-batch to `state`'s window (see the module).
 
     Args:
-        engine: The `GradientAccumulator`.
+        state: The engine's `EngineState`.
         grads: One gradient per variable (tensor, `IndexedSlices`, None).
         weight: Float scalar `w_k`.
         is_finite: Optional bool scalar: False leaves the micro-batch out.
@@ -57,9 +57,7 @@ def add_microbatch(
     dynamic_loss_scale = None
     if scaled:
         check_loss_scale_readable(optimizer)
-        build_optimizer_in_cross_replica_context(
-            optimizer, engine.updated_variables
-        )
+        build_optimizer_in_cross_replica_context(optimizer, state.variables)
         if loss_scale is None:
             loss_scale = ADAPTER.applied_gradient_scale(optimizer)
         dynamic_loss_scale = ADAPTER.dynamic_loss_scale(optimizer)
@@ -88,7 +86,7 @@ def add_microbatch(
                 finite = tf.logical_and(finite, is_finite)
             is_finite = finite
         _add(
-            engine,
+            state,
             contributions,
             weight,
             is_finite,
@@ -97,7 +95,7 @@ def add_microbatch(
         )
 
 
-def _add(engine, contributions, weight, is_finite, xla, data):
+def _add(state, contributions, weight, is_finite, xla, data):
     """Adds one micro-batch's float32 `w_k g_k` to the window.
 
     `data`: the micro-batch's tensors that exist only once its data has
@@ -106,23 +104,23 @@ def _add(engine, contributions, weight, is_finite, xla, data):
     # After the forward pass (the weight reads its output), before any
     # addition: an error from here to the end shows (`batch_interrupted`).
     with tf.control_dependencies([weight]):
-        opened = engine._batch_open.assign(1)
+        opened = state.batch_open.assign(1)
     # The window's first contribution overwrites what the last window left,
     # so no pass is spent zeroing the accumulators.
     with tf.control_dependencies([opened]):
-        first = tf.equal(engine._contributed, 0)
+        first = tf.equal(state.contributed, 0)
 
     added = []
 
     def add():
-        added.extend(_add_gradients(engine, contributions, first, data))
+        added.extend(_add_gradients(state, contributions, first, data))
         with tf.control_dependencies(data):
-            engine._weight_sum.assign_add(weight)
-            engine._contributed.assign_add(1)
-        if engine._noise_scale is not None:
+            state.weight_sum.assign_add(weight)
+            state.contributed.assign_add(1)
+        if state.noise_scale is not None:
             # Float32, unscaled, before any clipping; only what joins the
             # window (a skipped micro-batch never gets here).
-            engine._noise_scale.add(
+            state.noise_scale.add(
                 contributions,
                 weight,
                 lambda pred, fn: _control_flow.run_if(pred, fn, xla),
@@ -135,19 +133,19 @@ def _add(engine, contributions, weight, is_finite, xla, data):
 
         def skip():
             with tf.control_dependencies(data):
-                engine._skipped.assign_add(1)
+                state.skipped.assign_add(1)
             return tf.constant(False)
 
         # The conditional ends after everything its branch changes.
         added = [tf.cond(is_finite, add, skip)]
     with tf.control_dependencies(data):
-        step = engine._micro_step.assign_add(1)
+        step = state.micro_step.assign_add(1)
     # Closed once its additions are all in.
     with tf.control_dependencies([step] + added):
-        engine._batch_open.assign(0)
+        state.batch_open.assign(0)
 
 
-def _add_gradients(engine, contributions, first, data, guard=None):
+def _add_gradients(state, contributions, first, data, guard=None):
     """Adds float32 contributions into the accumulators, in place.
 
     Where `first` holds (nothing of the window is in them yet) a dense
@@ -157,7 +155,7 @@ def _add_gradients(engine, contributions, first, data, guard=None):
     it: the window never holds a slice's gradients all at once.
 
     Args:
-        engine: The `GradientAccumulator`.
+        state: The engine's `EngineState`.
         contributions: One float32 contribution per variable (tensor,
             `IndexedSlices` or None).
         first: Bool scalar tensor.
@@ -172,9 +170,9 @@ def _add_gradients(engine, contributions, first, data, guard=None):
     Returns:
         The additions' outputs, to order what must follow all of them.
     """
-    received_flags = tf.constant([int(r) for r in engine._received], tf.int64)
+    received_flags = state.received.seen_constant()
     dense, sparse, absent = [], [], []
-    for i, (acc, c) in enumerate(zip(engine._accumulators, contributions)):
+    for i, (acc, c) in enumerate(zip(state.accumulators, contributions)):
         if c is None:
             absent.append(acc)
         elif isinstance(c, tf.IndexedSlices):
@@ -191,7 +189,7 @@ def _add_gradients(engine, contributions, first, data, guard=None):
         # input of the whole conditional, and every addition would wait
         # for all of the micro-batch's gradients.
         def fn():
-            engine._received_flags.assign(received_flags)
+            state.received.flags.assign(received_flags)
             for acc in zeroed:
                 acc.assign(tf.zeros_like(acc))
             return tf.constant(True)
@@ -229,7 +227,7 @@ def _add_gradients(engine, contributions, first, data, guard=None):
         outputs = [tf.cond(first, start(absent), nothing)]
     for i, acc, c in dense + sparse:
         outputs.append(
-            _guarded_add(acc, c, engine._rows_added[i], rows_end, first, opened)
+            _guarded_add(acc, c, state.rows_added[i], rows_end, first, opened)
         )
     return outputs
 
@@ -277,7 +275,7 @@ def _false():
 
 
 def add_slice(
-    engine,
+    state,
     grads,
     weight,
     loss,
@@ -296,7 +294,7 @@ def add_slice(
     in. Nothing of the window's own counters changes before `end_batch`.
 
     Args:
-        engine: The `GradientAccumulator`.
+        state: The engine's `EngineState`.
         grads: One gradient per variable, of the slice's loss times its
             weight (or, with `scale`, times the loss scale).
         weight: Float32 scalar `w_k`, what the slice's loss divided by.
@@ -315,30 +313,28 @@ def add_slice(
     weight = tf.cast(weight, tf.float32)
     factor = None if scale is None else weight / tf.cast(scale, tf.float32)
     contributions = in_float32(grads, factor)
-    engine._received = [
-        r or g is not None for r, g in zip(engine._received, grads)
-    ]
+    state.received.note(grads)
     data = _data_of(grads, weight)
     loss = tf.reduce_sum(tf.cast(loss, tf.float32))
     # A slice of no weight (an empty shard) has a 0/0 mean loss.
     weighted_loss = tf.where(weight > 0.0, weight * loss, 0.0)
     rows = tf.cast(rows, tf.float32)
-    sums = engine._batch_sums
+    sums = state.batch_sums
     zero = tf.constant(0.0)
 
     def add():
         # After the forward pass (the weight reads its output), before any
         # addition; not after the gradients, which it would hold.
         with tf.control_dependencies([weight]):
-            opened = engine._batch_open.assign(1)
+            opened = state.batch_open.assign(1)
         with tf.control_dependencies([opened]):
             # Read before this slice's sums are added: all slices before it.
             first = tf.logical_and(
-                tf.equal(engine._contributed, 0),
+                tf.equal(state.contributed, 0),
                 tf.equal(sums[_ADDED], 0.0),
             )
         guard = (tf.cast(rows_end, tf.int64), opened) if resumable else None
-        outputs = _add_gradients(engine, contributions, first, [weight], guard)
+        outputs = _add_gradients(state, contributions, first, [weight], guard)
         q, n = zero, zero
         if measure:
             q, n = _noise_scale.microbatch_statistics(contributions, weight)
@@ -368,7 +364,7 @@ def add_slice(
         tf.cond(finite, add, skip)
 
 
-def end_batch(engine, *, summed, dynamic_loss_scale):
+def end_batch(state, *, summed, dynamic_loss_scale):
     """Ends the batch `add_slice` added: its sums into the window.
 
     The window's weight grows by the batch's `W` (`sum_k w_k` over the added
@@ -378,7 +374,7 @@ def end_batch(engine, *, summed, dynamic_loss_scale):
     was not finite. Then the batch's state is zeroed, last.
 
     Args:
-        engine: The `GradientAccumulator`.
+        state: The engine's `EngineState`.
         summed: Bool: the loss sums over the batch (reduction "sum").
         dynamic_loss_scale: As `ADAPTER.dynamic_loss_scale`, or None.
 
@@ -387,7 +383,7 @@ def end_batch(engine, *, summed, dynamic_loss_scale):
         sum_k w_k` over all its slices, or `sum_k L_k` when `summed`) and
         what it is weighted by.
     """
-    sums = engine._batch_sums.read_value()
+    sums = state.batch_sums.read_value()
     field = dict(zip(_state.BATCH_SUMS, tf.unstack(sums)))
     added = field["added"]
     if summed:
@@ -410,29 +406,27 @@ def end_batch(engine, *, summed, dynamic_loss_scale):
     changes = []
     if tf.distribute.get_replica_context().num_replicas_in_sync > 1:
         empty = tf.logical_and(
-            tf.equal(field["rows"], 0.0), tf.equal(engine._contributed, 0)
+            tf.equal(field["rows"], 0.0), tf.equal(state.contributed, 0)
         )
-        received_flags = tf.constant(
-            [int(r) for r in engine._received], tf.int64
-        )
+        received_flags = state.received.seen_constant()
 
         def zero_window():
-            engine._received_flags.assign(received_flags)
-            for acc in engine._accumulators:
+            state.received.flags.assign(received_flags)
+            for acc in state.accumulators:
                 acc.assign(tf.zeros_like(acc))
             return tf.constant(True)
 
         changes.append(tf.cond(empty, zero_window, _false))
     changes += [
-        engine._weight_sum.assign_add(weight),
-        engine._contributed.assign_add(
+        state.weight_sum.assign_add(weight),
+        state.contributed.assign_add(
             tf.cast(added, tf.int64) + tf.cast(empty, tf.int64)
         ),
-        engine._skipped.assign_add(tf.cast(field["non_finite"], tf.int64)),
+        state.skipped.assign_add(tf.cast(field["non_finite"], tf.int64)),
     ]
-    if engine._noise_scale is not None:
+    if state.noise_scale is not None:
         changes.append(
-            engine._noise_scale.add_sums(
+            state.noise_scale.add_sums(
                 field["squared_norm_sum"], field["micro_batches"]
             )
         )
@@ -440,10 +434,9 @@ def end_batch(engine, *, summed, dynamic_loss_scale):
         finite = _mixed_precision.none_on_any_replica(field["non_finite"])
         _mixed_precision.update_loss_scale(dynamic_loss_scale, finite)
     with tf.control_dependencies(changes):
-        step = engine._micro_step.assign_add(1)
+        step = state.micro_step.assign_add(1)
     with tf.control_dependencies([step]):
-        for v in engine.state.batch_variables():
-            v.assign(tf.zeros_like(v))
+        state.end_batch()
     return loss, field["loss_weight"]
 
 

@@ -32,12 +32,6 @@ _TF_KERAS_LOSS = (
     "and how it pairs targets with outputs, which the normalizer replays "
     "(`compiled_loss_terms`)"
 )
-_ENGINE_PARTS = (
-    "a `GradientAccumulator`'s own state, read and changed by the module "
-    "its micro-batch path (`_contribution`) or its close (`_close`) is "
-    "written in: parts of one engine, split to keep each module one job"
-)
-
 _MICRO_BATCH_SETTING = (
     'the model\'s own `micro_batch_size` setting (`"auto"`, an int or '
     'None), not the size the property returns once `"auto"` chose one: '
@@ -158,40 +152,6 @@ PRIVATE_NAMES = {
         "given to one whose class `accumulate` swapped (never constructed)",
         "_set_measurement": "`noise_scale` and `adascale` set together, "
         "checked as a pair before either changes",
-    },
-    "_close.py": {
-        name: _ENGINE_PARTS
-        for name in (
-            "_accumulators",
-            "_adascale",
-            "_apply_hooks",
-            "_compiled_updates",
-            "_contributed",
-            "_discarded",
-            "_end_window",
-            "_micro_step",
-            "_noise_scale",
-            "_received",
-            "_received_flags",
-            "_variables",
-            "_weight_sum",
-        )
-    },
-    "_contribution.py": {
-        name: _ENGINE_PARTS
-        for name in (
-            "_accumulators",
-            "_batch_open",
-            "_batch_sums",
-            "_contributed",
-            "_micro_step",
-            "_noise_scale",
-            "_received",
-            "_received_flags",
-            "_rows_added",
-            "_skipped",
-            "_weight_sum",
-        )
     },
     "_split.py": {
         "_compilation": "`jit_compile` and `compile_update` for the "
