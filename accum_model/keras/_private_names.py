@@ -32,11 +32,6 @@ _TF_KERAS_LOSS = (
     "and how it pairs targets with outputs, which the normalizer replays "
     "(`compiled_loss_terms`)"
 )
-_MICRO_BATCH_SETTING = (
-    'the model\'s own `micro_batch_size` setting (`"auto"`, an int or '
-    'None), not the size the property returns once `"auto"` chose one: '
-    "what configs and clones keep, and what picks the train function"
-)
 
 PRIVATE_NAMES = {
     "_adapter.py": {
@@ -112,7 +107,6 @@ PRIVATE_NAMES = {
         "Keras' clone functions, so that they are wrapped once",
     },
     "_model_classes.py": {
-        "_micro_batch_setting": _MICRO_BATCH_SETTING,
         "_accum_sees_arguments": "a mark on the `__init__` wrappers this "
         "module puts on subclasses, so that an inherited one is not wrapped "
         "again",
@@ -120,7 +114,9 @@ PRIVATE_NAMES = {
     "_model.py": {
         "_init_settings": "`AccumSettings`' initializer of the settings it "
         "holds, called by `AccumModel._init_accumulation`",
-        "_micro_batch_setting": _MICRO_BATCH_SETTING,
+        "_micro_batch": "the model's own `micro_batch_size` setting and "
+        'what `"auto"` chose (`_settings.MicroBatch`), an attribute of its '
+        "base class `AccumSettings`",
         "_compilation": "`jit_compile` and `compile_update` for the "
         "engine's steps, from the model's `jit_compile` and what `compile` "
         "was given (`AccumSettings`)",
@@ -129,34 +125,6 @@ PRIVATE_NAMES = {
         "_omit_frequent_tracing_warning": "an attribute of TensorFlow's "
         "`tf.function`, set on the read of what an attempt may write, made "
         "again for each slice size by design",
-        "_split_train_step": "`AccumModel`'s step of one batch in slices of "
-        "a given size, which the train function traces per size",
-        "_split_test_step": "`AccumModel`'s `test_step` in slices of a given "
-        "size, which the evaluate function traces per size",
-        "_split_predict_step": "`AccumModel`'s `predict_step` in slices of "
-        "a given size, which the predict function traces per size",
-        "_micro_batch_capped": "whether an out-of-memory error capped the "
-        'slice size `"auto"` runs with (kept by the model, set by its '
-        "train function)",
-        "_micro_batch_chosen": 'the slice size `"auto"` chose, which the '
-        "model keeps for later `fit` calls (`AccumSettings` reads it in "
-        "`micro_batch_size`); the train function sets it, also while it "
-        "traces a step for a size",
-    },
-    "_accumulate.py": {
-        "_micro_batch_setting": _MICRO_BATCH_SETTING,
-        "_noise_scale": "the model's own `noise_scale` setting, not the "
-        "measurement the property returns (which AdaScale turns on): kept "
-        "when `accumulate` is called again without it",
-        "_init_accumulation": "what `AccumModel.__init__` gives a model, "
-        "given to one whose class `accumulate` swapped (never constructed)",
-        "_set_measurement": "`noise_scale` and `adascale` set together, "
-        "checked as a pair before either changes",
-    },
-    "_split.py": {
-        "_compilation": "`jit_compile` and `compile_update` for the "
-        "engine's steps, from the model's `jit_compile` and what `compile` "
-        "was given (`AccumSettings`)",
     },
     "_multi_worker.py": {
         "_maybe_symbolic_build": "Keras 3's `fit` builds the model through "
@@ -186,7 +154,6 @@ PRIVATE_NAMES = {
         "once (the warning would count the models of one process)",
     },
     "_model_engine.py": {
-        "_micro_batch_setting": _MICRO_BATCH_SETTING,
         "_obj_type": "what Keras 3's saving records for a `KerasSaveable`; "
         "the state says what kind of object it is",
     },

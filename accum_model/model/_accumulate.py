@@ -18,7 +18,9 @@ from accum_model.engine import _noise_scale
 from accum_model.keras import _adapter
 from accum_model.keras import _clone_hook
 from accum_model.model import _model_classes
+from accum_model.model import _settings
 from accum_model.model._model import AccumModel
+from accum_model.model._model import start_accumulating
 
 ADAPTER = _adapter.ADAPTER
 keras = _adapter.keras
@@ -134,24 +136,19 @@ def accumulate(
     if epoch_end is not _UNSET:
         epoch_end = check_epoch_end(epoch_end)
     if isinstance(model, AccumModel):
-        new_noise = (
-            model._noise_scale
-            if noise_scale is _UNSET
-            else _noise_scale.as_config(noise_scale)
+        given = dict(
+            accum_steps=accum_steps,
+            micro_batch_size=micro_batch_size,
+            epoch_end=epoch_end,
         )
-        new_adascale = (
-            model.adascale
-            if adascale is _UNSET
-            else _adascale.as_config(adascale)
-        )
+        if noise_scale is not _UNSET:
+            given["noise_scale"] = _noise_scale.as_config(noise_scale)
+        if adascale is not _UNSET:
+            given["adascale"] = _adascale.as_config(adascale)
         # Checked first: nothing changes when either is refused.
-        model._set_measurement(new_noise, new_adascale)
-        if accum_steps is not _UNSET:
-            model.accum_steps = accum_steps
-        if micro_batch_size is not _UNSET:
-            model.micro_batch_size = micro_batch_size
-        if epoch_end is not _UNSET:
-            model.epoch_end = epoch_end
+        _settings.configure(
+            model, **{k: v for k, v in given.items() if v is not _UNSET}
+        )
         return model
     if accum_steps is _UNSET:
         accum_steps = 1
@@ -168,8 +165,8 @@ def accumulate(
     # optimizer, compile state, and every reference to it) must accumulate,
     # so it gets a subclass of its own class; a new object would not do.
     model.__class__ = _accumulating_class(type(model))
-    model._init_accumulation(
-        accum_steps, epoch_end, noise_scale, adascale, micro_batch_size
+    start_accumulating(
+        model, accum_steps, epoch_end, noise_scale, adascale, micro_batch_size
     )
     # Traced with the class's own `train_step`; `fit` makes a new one.
     model.train_function = None
@@ -242,7 +239,7 @@ def _accumulating_get_config(self):
     for key in _model_classes.ARGUMENTS:
         # Reached through `super()` from the base's own `get_config`.
         config.pop(key, None)
-    config.update(_model_classes.accumulation_config(self))
+    config.update(self.get_accumulation_config())
     config[_BASE_KEY] = {
         "module": base.__module__,
         "class_name": base.__name__,
@@ -296,7 +293,7 @@ def _accumulating_clone(model, clone):
         clone.epoch_end = model.epoch_end
         clone.noise_scale = model.noise_scale
         clone.adascale = model.adascale
-        clone.micro_batch_size = model._micro_batch_setting
+        clone.micro_batch_size = _micro_batch_setting(model)
         return clone
     if not isinstance(clone, base):
         warnings.warn(
@@ -315,10 +312,15 @@ def _accumulating_clone(model, clone):
         epoch_end=model.epoch_end,
         noise_scale=model.noise_scale,
         adascale=model.adascale,
-        micro_batch_size=model._micro_batch_setting,
+        micro_batch_size=_micro_batch_setting(model),
     )
 
 
 # `clone_model` has no way for a model to pass its settings on (see
 # `_clone_hook`, the one patch of Keras).
 _clone_hook.install(ADAPTER.cloning_module, _accumulating_clone)
+
+
+def _micro_batch_setting(model):
+    """`model`'s `micro_batch_size` setting (`"auto"`, not what it chose)."""
+    return model.get_accumulation_config().get("micro_batch_size")

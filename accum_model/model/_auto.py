@@ -55,12 +55,16 @@ class AutoTrainFunction:
 
     Args:
         model: The `AccumModel`, with `micro_batch_size="auto"`.
+        micro_batch: Its `_settings.MicroBatch`, which records the size
+            that ran.
+        split_step: `split_step(data, size, resumable)`, the model's train
+            step of one batch in slices of `size` rows (None: whole).
 
     Raises:
         ValueError: Under `MultiWorkerMirroredStrategy` with several workers.
     """
 
-    def __init__(self, model):
+    def __init__(self, model, micro_batch, split_step):
         if ADAPTER.is_multi_worker(model.distribute_strategy):
             raise ValueError(
                 'micro_batch_size="auto" is not supported under '
@@ -72,6 +76,8 @@ class AutoTrainFunction:
                 f"{type(model.distribute_strategy).__name__}"
             )
         self._model = model
+        self._micro_batch = micro_batch
+        self._split_step = split_step
         self._steps = {}
         accumulator = model.gradient_accumulator
         self._state = _AttemptState(
@@ -109,7 +115,7 @@ class AutoTrainFunction:
         """
         model = self._model
         rows = _rows_per_replica(model, data)
-        size = model._micro_batch_chosen if model._micro_batch_capped else None
+        size = self._micro_batch.first_try()
         while True:
             step = self._step_of(size, data)
             before = self._state.read()
@@ -141,13 +147,10 @@ class AutoTrainFunction:
                     f"again, and training goes on, in slices of {size}.",
                     stacklevel=3,
                 )
-                model._micro_batch_capped = True
-                model._micro_batch_chosen = size
-        if not model._micro_batch_capped:
+                self._micro_batch.cap(size)
+        if size is None:
             # Whole batches ran: the size follows the largest.
-            model._micro_batch_chosen = max(
-                model._micro_batch_chosen or 0, rows
-            )
+            self._micro_batch.ran_whole(rows)
         return logs
 
     def _past_slices(self, before, data):
@@ -186,10 +189,10 @@ class AutoTrainFunction:
         """The compiled step of one batch in slices of `size` rows."""
         step = self._steps.get(size)
         if step is None:
-            model = self._model
+            split_step = self._split_step
             step = self._steps[size] = ADAPTER.step_on_data(
-                model,
-                lambda d: model._split_train_step(d, size, resumable=True),
+                self._model,
+                lambda d: split_step(d, size, resumable=True),
             )
             self._state.trace(step, data)
         return step
@@ -206,11 +209,16 @@ class AutoInferenceFunction:
 
     Args:
         model: The `AccumModel`, with `micro_batch_size="auto"`.
+        micro_batch: Its `_settings.MicroBatch`: the size training chose.
+        split_step: `split_step(data, size)`, the model's test or predict
+            step of one batch in slices of `size` rows (None: whole).
         kind: `"test"` or `"predict"`.
     """
 
-    def __init__(self, model, kind):
+    def __init__(self, model, micro_batch, split_step, kind):
         self._model = model
+        self._micro_batch = micro_batch
+        self._split_step = split_step
         self._kind = kind
         self._size = None
         self._steps = {}
@@ -244,7 +252,7 @@ class AutoInferenceFunction:
         """One batch, halving the slice until it fits."""
         model = self._model
         rows = _rows_per_replica(model, data)
-        size = self._size or model._micro_batch_chosen
+        size = self._size or self._micro_batch.chosen
         while True:
             step = self._step_of(size, data)
             before = self._state.read()
@@ -271,14 +279,9 @@ class AutoInferenceFunction:
     def _step_of(self, size, data):
         step = self._steps.get(size)
         if step is None:
-            model = self._model
-            method = (
-                model._split_test_step
-                if self._kind == "test"
-                else model._split_predict_step
-            )
+            split_step = self._split_step
             step = self._steps[size] = ADAPTER.step_on_data(
-                model, lambda d: method(d, size), kind=self._kind
+                self._model, lambda d: split_step(d, size), kind=self._kind
             )
             self._state.trace(step, data)
         return step

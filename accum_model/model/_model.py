@@ -185,7 +185,7 @@ class AccumModel(
         config = _model_classes.base_config(
             self, AccumModel, super().get_config
         )
-        config.update(_model_classes.accumulation_config(self))
+        config.update(self.get_accumulation_config())
         return config
 
     @classmethod
@@ -346,6 +346,7 @@ class AccumModel(
             scale=ADAPTER.loss_scale(self.optimizer) if scaling else None,
             xla=xla,
             resumable=resumable and not xla,
+            compilation=self._compilation,
         )
         ADAPTER.track_loss(self, loss, _normalizers.batch_size(x, y))
         return _step_logs(
@@ -353,7 +354,7 @@ class AccumModel(
         )
 
     def test_step(self, data):
-        size = self._micro_batch_setting
+        size = self._micro_batch.setting
         if not isinstance(size, int):
             # None, or "auto", whose test function passes its size.
             return super().test_step(data)
@@ -367,7 +368,7 @@ class AccumModel(
         return ADAPTER.logs_for_replica_reduction(self, logs)
 
     def predict_step(self, data):
-        size = self._micro_batch_setting
+        size = self._micro_batch.setting
         if not isinstance(size, int):
             return super().predict_step(data)
         return self._split_predict_step(data, size)
@@ -381,18 +382,18 @@ class AccumModel(
     def make_test_function(self, force=False):
         rebuilt = force or self.test_function is None
         function = super().make_test_function(force=force)
-        if rebuilt and self._micro_batch_setting == "auto":
+        if rebuilt and self._micro_batch.setting == "auto":
             self.test_function = function = _auto.AutoInferenceFunction(
-                self, "test"
+                self, self._micro_batch, self._split_test_step, "test"
             )
         return function
 
     def make_predict_function(self, force=False):
         rebuilt = force or self.predict_function is None
         function = super().make_predict_function(force=force)
-        if rebuilt and self._micro_batch_setting == "auto":
+        if rebuilt and self._micro_batch.setting == "auto":
             self.predict_function = function = _auto.AutoInferenceFunction(
-                self, "predict"
+                self, self._micro_batch, self._split_predict_step, "predict"
             )
         return function
 
@@ -415,9 +416,11 @@ class AccumModel(
         if rebuilt:
             self._flush_function = None
         function = super().make_train_function(force=force)
-        if rebuilt and self._micro_batch_setting == "auto":
+        if rebuilt and self._micro_batch.setting == "auto":
             # Takes each batch itself, so that it can run it again.
-            self.train_function = function = _auto.AutoTrainFunction(self)
+            self.train_function = function = _auto.AutoTrainFunction(
+                self, self._micro_batch, self._split_train_step
+            )
         return function
 
     def apply_accumulated(self):
@@ -474,6 +477,16 @@ class AccumModel(
 
 
 AccumModel = ADAPTER.register_serializable(AccumModel)
+
+
+def start_accumulating(
+    model, accum_steps, epoch_end, noise_scale, adascale, micro_batch_size
+):
+    """Gives `model`, whose class `accumulate` made an `AccumModel`
+    subclass (never constructed), what `AccumModel.__init__` gives."""
+    model._init_accumulation(
+        accum_steps, epoch_end, noise_scale, adascale, micro_batch_size
+    )
 
 
 def training_state(model):

@@ -167,26 +167,12 @@ def next_definer(cls, after, name):
     return None
 
 
-def accumulation_config(model):
-    """The accumulation arguments of `model`, as its config holds them."""
-    config = dict(accum_steps=model.accum_steps, epoch_end=model.epoch_end)
-    if model.noise_scale is not None:
-        config["noise_scale"] = model.noise_scale.get_config()
-    if model.adascale is not None:
-        config["adascale"] = model.adascale.get_config()
-    # The setting ("auto" or an int), not the size "auto" chose here: a
-    # file loaded on another device chooses again.
-    if model._micro_batch_setting is not None:
-        config["micro_batch_size"] = model._micro_batch_setting
-    return config
-
-
 def with_accumulation_config(get_config):
     """Wraps a `get_config` to add the accumulation arguments."""
 
     def get_config_with_accumulation(self):
         config = get_config(self)
-        config.update(accumulation_config(self))
+        config.update(self.get_accumulation_config())
         return config
 
     get_config_with_accumulation.__wrapped__ = get_config

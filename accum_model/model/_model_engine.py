@@ -250,9 +250,8 @@ class ModelEngine(ADAPTER.saveable_base):
             discarded = int(self.accumulator.discarded_windows)
             if discarded:
                 logs["discarded_windows"] = discarded
-        if model._micro_batch_setting == "auto" and isinstance(
-            model.micro_batch_size, int
-        ):
+        setting = model.get_accumulation_config().get("micro_batch_size")
+        if setting == "auto" and isinstance(model.micro_batch_size, int):
             logs["micro_batch_size"] = model.micro_batch_size
         return logs
 

@@ -37,12 +37,7 @@ class AccumSettings:
         self._epoch_end = epoch_end
         self._noise_scale = noise_scale
         self._adascale = adascale
-        self._micro_batch_setting = micro_batch_size
-        # The slice size `"auto"` runs with (`_auto`), kept for later `fit`
-        # calls, and whether an out-of-memory error capped it (until then
-        # it grows with the batches).
-        self._micro_batch_chosen = None
-        self._micro_batch_capped = False
+        self._micro_batch = MicroBatch(micro_batch_size)
         # What `compile` was given as `jit_compile`: Keras keeps only what
         # it resolved (`"auto"` is False on a CPU), and only an explicit
         # False keeps XLA out of the window's update (`_compilation`). UNSET
@@ -115,6 +110,27 @@ class AccumSettings:
         self._noise_scale = noise_scale
         self._adascale = adascale
 
+    def get_accumulation_config(self):
+        """The accumulation arguments, as the constructor takes them.
+
+        What the model's config holds besides Keras' own: `accum_steps` and
+        `epoch_end`, and where set `noise_scale` and `adascale` (as their
+        configs) and `micro_batch_size` (the setting: `"auto"`, not the
+        size it chose here, so that a file loaded on another device
+        chooses again).
+
+        Returns:
+            A dict.
+        """
+        config = dict(accum_steps=self.accum_steps, epoch_end=self.epoch_end)
+        if self.noise_scale is not None:
+            config["noise_scale"] = self.noise_scale.get_config()
+        if self.adascale is not None:
+            config["adascale"] = self.adascale.get_config()
+        if self._micro_batch.setting is not None:
+            config["micro_batch_size"] = self._micro_batch.setting
+        return config
+
     # Settings
 
     @property
@@ -151,20 +167,16 @@ class AccumSettings:
         halves it; from then on it never grows. A new value takes effect at
         the next `fit` (the step is traced again).
         """
-        if self._micro_batch_setting == "auto":
-            return self._micro_batch_chosen or "auto"
-        return self._micro_batch_setting
+        return self._micro_batch.size
 
     @micro_batch_size.setter
     def micro_batch_size(self, value):
         value = check_micro_batch_size(value)
-        if value == self._micro_batch_setting and value != "auto":
+        if value == self._micro_batch.setting and value != "auto":
             return
         # `"auto"` again starts over: batches run whole until an
         # out-of-memory error.
-        self._micro_batch_setting = value
-        self._micro_batch_chosen = None
-        self._micro_batch_capped = False
+        self._micro_batch = MicroBatch(value)
         # The slice size is part of the traced steps.
         self.train_function = None
         self.test_function = None
@@ -280,3 +292,64 @@ class AccumSettings:
         """
         accumulator = self.gradient_accumulator
         return 0 if accumulator is None else int(accumulator.discarded_windows)
+
+
+class MicroBatch:
+    """A model's `micro_batch_size` setting and, for `"auto"`, its choice.
+
+    One object per setting: setting the model's `micro_batch_size` makes a
+    new one. `_auto`'s functions are handed it and record what ran.
+
+    Args:
+        setting: None, `"auto"` or an int >= 1, checked.
+    """
+
+    def __init__(self, setting):
+        self.setting = setting
+        # The slice size `"auto"` runs with, kept for later `fit` calls,
+        # and whether an out-of-memory error capped it (until then it
+        # grows with the batches).
+        self.chosen = None
+        self.capped = False
+
+    @property
+    def size(self):
+        """What `micro_batch_size` reads: the setting, or the size chosen."""
+        if self.setting == "auto":
+            return self.chosen or "auto"
+        return self.setting
+
+    def first_try(self):
+        """The slice size a batch is tried in first (None: whole)."""
+        return self.chosen if self.capped else None
+
+    def ran_whole(self, rows):
+        """Notes a batch of `rows` rows that ran in one slice."""
+        if not self.capped:
+            self.chosen = max(self.chosen or 0, rows)
+
+    def cap(self, size):
+        """Notes that batches run in slices of `size` from now on."""
+        self.capped = True
+        self.chosen = size
+
+
+def configure(model, **changes):
+    """Applies `accumulate`'s arguments to an `AccumModel`, in place.
+
+    Args:
+        model: The `AccumModel`.
+        **changes: Any of the constructor's accumulation arguments,
+            checked (`noise_scale` and `adascale` as configs); those left
+            out keep their value.
+
+    Raises:
+        ValueError: As the settings' setters, before anything changes
+            (`noise_scale` and `adascale` are checked as a pair).
+    """
+    model._set_measurement(
+        changes.pop("noise_scale", model._noise_scale),
+        changes.pop("adascale", model._adascale),
+    )
+    for name, value in changes.items():
+        setattr(model, name, value)

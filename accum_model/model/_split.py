@@ -33,7 +33,9 @@ from accum_model.model import _normalizers
 ADAPTER = _adapter.ADAPTER
 
 
-def train_batch(model, accumulator, data, size, *, scale, xla, resumable):
+def train_batch(
+    model, accumulator, data, size, *, scale, xla, resumable, compilation
+):
     """Runs one batch into the window, in slices of `size` rows.
 
     Args:
@@ -49,6 +51,8 @@ def train_batch(model, accumulator, data, size, *, scale, xla, resumable):
         xla: Bool, whether the step is compiled by XLA.
         resumable: Bool, whether the batch may run again after an
             out-of-memory error (see the module). Never under XLA.
+        compilation: `end_batch`'s `jit_compile` and `compile_update`, as
+            the model's settings give them.
 
     Returns:
         The batch's loss and weight, as `GradientAccumulator.end_batch`.
@@ -109,7 +113,7 @@ def train_batch(model, accumulator, data, size, *, scale, xla, resumable):
     return accumulator.end_batch(
         model.optimizer,
         summed=bool(summed and summed[0]),
-        **model._compilation,
+        **compilation,
     )
 
 
