@@ -77,7 +77,7 @@ def _plain_model_class():
 
 
 def _unguarded_track_loss(model, loss, batch_size):
-    # `_Keras3Adapter.track_loss` without its empty-shard guard.
+    # `Keras3Adapter.track_loss` without its empty-shard guard.
     model._loss_tracker.update_state(
         loss * tf.distribute.get_strategy().num_replicas_in_sync,
         sample_weight=batch_size,

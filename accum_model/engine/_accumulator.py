@@ -15,9 +15,10 @@ large batch's loss, whatever the sizes of the micro-batches.
 Both front ends drive it the same way: `AccumModel.train_step` and a custom
 loop call `step` (one micro-batch in through `accumulate`, then a close if
 the window is full), and the epoch-end flush and custom loops call `apply`.
-Its state is declared in `_state` (every variable by name); a micro-batch
-goes in through `_contribution` (weighting, loss-scale unscaling, the
-finite check, the additions) and a window out through `_close.close_window`,
+Its state is one `_engine_state.EngineState` (every variable declared by
+name in `_state`); a micro-batch goes in through `_contribution`
+(weighting, loss-scale unscaling, the finite check, the additions), a batch
+in slices through `_slices`, and a window out through `_close.close_window`,
 one function (the finite check, the mean, the noise scale, AdaScale's gain,
 the optimizer, the hooks) run by one conditional (`_close.close_if`).
 """
@@ -32,6 +33,7 @@ from accum_model.engine import _close
 from accum_model.engine import _contribution
 from accum_model.engine import _engine_state
 from accum_model.engine import _noise_scale
+from accum_model.engine import _slices
 from accum_model.engine import _state
 from accum_model.keras import _adapter
 
@@ -109,6 +111,11 @@ class GradientAccumulator(tf.Module):
         self._engine = _engine_state.EngineState(
             self.state, variables, accum_steps, noise_scale, adascale
         )
+        # Tracked under the names checkpoints have held the state by since
+        # 0.1.0: `tf.train.Checkpoint` of a custom loop matches these paths
+        # (by index), not `state`'s, which hold Keras' layer names.
+        for name, value in self._engine.checkpoint_children().items():
+            setattr(self, name, value)
 
     @property
     def state_variables(self):
@@ -208,6 +215,21 @@ class GradientAccumulator(tf.Module):
         """
         self._engine.apply_hooks.append(fn)
 
+    def _checked_grads(self, grads):
+        grads = list(grads)
+        if len(grads) != len(self._engine.accumulators):
+            raise ValueError(
+                "`grads` must hold one gradient per variable of the "
+                f"accumulator ({len(self._engine.accumulators)}). "
+                f"Received: {len(grads)} gradients"
+            )
+        return grads
+
+    def _checked_xla(self, optimizer, jit_compile):
+        """Checks `optimizer`; whether the graph is compiled by XLA."""
+        self.check_optimizer(optimizer)
+        return _resolve_xla(jit_compile)
+
     # The front ends: a micro-batch in, a window out.
 
     def step(
@@ -247,9 +269,8 @@ class GradientAccumulator(tf.Module):
             ValueError: As `accumulate()`, as `check_optimizer()`, and if
                 XLA cannot compile the update that `compile_update` asks for.
         """
-        xla = _resolve_xla(jit_compile)
         # Before anything of the micro-batch runs.
-        self.check_optimizer(optimizer)
+        xla = self._checked_xla(optimizer, jit_compile)
         self.accumulate(
             grads,
             weight,
@@ -309,13 +330,7 @@ class GradientAccumulator(tf.Module):
             ValueError: If `grads` does not hold one gradient per variable,
                 or (with `optimizer`) as `step()` raises.
         """
-        grads = list(grads)
-        if len(grads) != len(self._engine.accumulators):
-            raise ValueError(
-                "`grads` must hold one gradient per variable of the "
-                f"accumulator ({len(self._engine.accumulators)}). "
-                f"Received: {len(grads)} gradients"
-            )
+        grads = self._checked_grads(grads)
         # Known at trace time, shared by the replicas' traces.
         self._engine.received.note(grads)
         _contribution.add_microbatch(
@@ -335,19 +350,12 @@ class GradientAccumulator(tf.Module):
         On any replica: its additions may be in the accumulators, the rest
         not (`reset` discards them).
         """
-        parts = getattr(
-            self._engine.batch_open, "values", (self._engine.batch_open,)
-        )
-        return any(int(p.numpy()) for p in parts)
+        return self._engine.batch_interrupted()
 
     def progress_variables(self):
         """`[micro_step, contributed_steps, batch sums]`: how far a step got
         (`_auto` reads them before and after an error, per replica)."""
-        return [
-            self._engine.micro_step,
-            self._engine.contributed,
-            self._engine.batch_sums,
-        ]
+        return self._engine.progress_variables()
 
     def batch_rows(self):
         """Float32 tensor: the rows of the open batch whose slices are in."""
@@ -381,14 +389,8 @@ class GradientAccumulator(tf.Module):
             resumable: Bool: the batch may run again after an out-of-memory
                 error, and no row is added twice (docs/micro_batch.md).
         """
-        grads = list(grads)
-        if len(grads) != len(self._engine.accumulators):
-            raise ValueError(
-                "`grads` must hold one gradient per variable of the "
-                f"accumulator ({len(self._engine.accumulators)}). "
-                f"Received: {len(grads)} gradients"
-            )
-        _contribution.add_slice(
+        grads = self._checked_grads(grads)
+        _slices.add_slice(
             self._engine,
             grads,
             weight,
@@ -421,12 +423,11 @@ class GradientAccumulator(tf.Module):
             `(loss, weight)`: float32 scalars, the batch's loss over all
             its slices and the weight of its mean.
         """
-        xla = _resolve_xla(jit_compile)
-        self.check_optimizer(optimizer)
+        xla = self._checked_xla(optimizer, jit_compile)
         dynamic = None
         if ADAPTER.is_loss_scale_optimizer(optimizer):
             dynamic = ADAPTER.dynamic_loss_scale(optimizer)
-        loss, weight = _contribution.end_batch(
+        loss, weight = _slices.end_batch(
             self._engine, summed=summed, dynamic_loss_scale=dynamic
         )
         full = self._engine.full()
@@ -446,8 +447,7 @@ class GradientAccumulator(tf.Module):
         Returns:
             A bool scalar tensor: whether a window was closed.
         """
-        self.check_optimizer(optimizer)
-        xla = _resolve_xla(jit_compile)
+        xla = self._checked_xla(optimizer, jit_compile)
         return _close.close_if(
             self._engine,
             self._engine.micro_step > 0,

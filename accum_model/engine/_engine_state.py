@@ -203,6 +203,38 @@ class EngineState:
         """Bool scalar tensor: whether the open window holds all its steps."""
         return self.micro_step >= self.window_steps
 
+    def batch_interrupted(self):
+        """Bool: whether a step stopped part-way into its batch (eagerly),
+        on any replica."""
+        parts = getattr(self.batch_open, "values", (self.batch_open,))
+        return any(int(p.numpy()) for p in parts)
+
+    def progress_variables(self):
+        """`[micro_step, contributed_steps, batch sums]`: how far a step
+        got."""
+        return [self.micro_step, self.contributed, self.batch_sums]
+
+    def checkpoint_children(self):
+        """`{attribute name: state}`: what a `GradientAccumulator` has
+        tracked as checkpoint dependencies since 0.1.0, by those names."""
+        return {
+            "_variables": self.variables,
+            "_accumulators": self.accumulators,
+            "_received_flags": self.received.flags,
+            "_batch_open": self.batch_open,
+            "_batch_sums": self.batch_sums,
+            "_rows_added": self.rows_added,
+            "_accum_steps": self.accum_steps,
+            "_window_steps": self.window_steps,
+            "_micro_step": self.micro_step,
+            "_contributed": self.contributed,
+            "_weight_sum": self.weight_sum,
+            "_skipped": self.skipped,
+            "_discarded": self.discarded,
+            "_noise_scale": self.noise_scale,
+            "_adascale": self.adascale,
+        }
+
     def batch_rows(self):
         """Float32 tensor: the rows of the open batch whose slices are in."""
         return self.batch_sums[_state.BATCH_SUMS.index("rows")]

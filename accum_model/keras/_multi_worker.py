@@ -10,7 +10,7 @@ class MultiWorkerFitWorkarounds:
 
     A mixin for a `keras.Model` (put it first among the bases). Keras' `fit`
     fails there on CPU for any model: see
-    `_Keras3Adapter.symbolic_build_arguments` and
+    `Keras3Adapter.symbolic_build_arguments` and
     `logs_for_replica_reduction`, both no-ops elsewhere and under tf_keras.
     `AccumModel` has it, and reshapes the logs of its own `train_step`
     itself; tests put it on the plain `keras.Model` they compare with, so

@@ -34,7 +34,53 @@ _TF_KERAS_LOSS = (
 )
 
 PRIVATE_NAMES = {
-    "_adapter.py": {
+    "_adapter_base.py": {
+        # The training step.
+        "_flatten_layers": "how Keras itself walks nested layers and models "
+        "(both generations)",
+        "_keras_mask": "where Keras 3 keeps a layer's output mask on the "
+        "tensor; read with a default, as its losses read it",
+        # Optimizers.
+        "_learning_rate": "where optimizers of both generations keep what "
+        "`learning_rate=` received (a schedule), read with a default",
+        "_built": "whether a tf_keras optimizer or loss container is built "
+        "(set by `build`, absent before); read with a default",
+        "_loss_scale": "tf_keras' `_DynamicLossScaleState` holding a "
+        "`LossScaleOptimizer`'s scale variable",
+        # Distribution.
+        "_in_multi_worker_mode": "how Keras itself tells a multi-worker "
+        "collective strategy, where its 3.15 `fit` needs two workarounds",
+    },
+    "_keras3.py": {
+        # Imports (the private modules' functions and classes).
+        "keras.src.models": "Keras 3's `Functional` and its constructor "
+        "checks, `inject_functional_model_class`, and `clone_model`'s module: "
+        "building functional `AccumModel`s without Keras' class rewrite",
+        "keras.src.saving": "Keras 3's `KerasSaveable` (how the window state "
+        "travels in saved files) and the registry of serializable names",
+        "_call_has_training_arg": "Keras 3's own test of whether `call` "
+        "takes `training`, as its `train_step` asks",
+        "_compute_loss": "Keras 3's wrapper of `compute_loss` that passes "
+        "`training` only to overrides that accept it, as its `train_step` "
+        "calls it",
+        "_loss_tracker": "Keras 3's `loss` metric, updated per micro-batch as "
+        "its `train_step` updates it",
+        "_compile_loss": _KERAS_3_LOSS,
+        "_flat_losses": _KERAS_3_LOSS,
+        "_y_pred_build_structure": _KERAS_3_LOSS,
+        "_losses": _TF_KERAS_LOSS,
+        "_built": "whether a tf_keras optimizer or loss container is built "
+        "(set by `build`, absent before); read with a default",
+        "_loss_scale": "tf_keras' `_DynamicLossScaleState` holding a "
+        "`LossScaleOptimizer`'s scale variable",
+        "keras.src.backend.tensorflow": "Keras 3's `reduce_per_replica`, "
+        "how its `fit` reduces a step's per-replica logs, for "
+        "`step_on_data`",
+        "_initial_epoch": "read by Keras 3's `fit` right after "
+        "`on_train_begin` (what its `BackupAndRestore` sets): "
+        "`ResumableBackup` writes it",
+    },
+    "_tf_keras.py": {
         # Imports (the private modules' functions and classes).
         "keras.src.models": "Keras 3's `Functional` and its constructor "
         "checks, `inject_functional_model_class`, and `clone_model`'s module: "
@@ -52,42 +98,18 @@ PRIVATE_NAMES = {
         "is public-named): classes made at run time are saved under a name",
         "_GLOBAL_CUSTOM_OBJECTS": "tf_keras' registry of names to classes: "
         "loading finds the classes `accumulate` makes",
-        # The training step.
-        "_flatten_layers": "how Keras itself walks nested layers and models "
-        "(both generations)",
-        "_call_has_training_arg": "Keras 3's own test of whether `call` "
-        "takes `training`, as its `train_step` asks",
-        "_compute_loss": "Keras 3's wrapper of `compute_loss` that passes "
-        "`training` only to overrides that accept it, as its `train_step` "
-        "calls it",
-        "_loss_tracker": "Keras 3's `loss` metric, updated per micro-batch as "
-        "its `train_step` updates it",
         "_validate_target_and_loss": "tf_keras' `train_step` check of the "
         "targets and loss, kept in the accumulating step",
-        "_keras_mask": "where Keras 3 keeps a layer's output mask on the "
-        "tensor; read with a default, as its losses read it",
-        "_compile_loss": _KERAS_3_LOSS,
-        "_flat_losses": _KERAS_3_LOSS,
-        "_y_pred_build_structure": _KERAS_3_LOSS,
         "_losses": _TF_KERAS_LOSS,
         "_conform_to_outputs": _TF_KERAS_LOSS,
-        # Optimizers.
-        "_learning_rate": "where optimizers of both generations keep what "
-        "`learning_rate=` received (a schedule), read with a default",
         "_built": "whether a tf_keras optimizer or loss container is built "
         "(set by `build`, absent before); read with a default",
         "_loss_scale": "tf_keras' `_DynamicLossScaleState` holding a "
         "`LossScaleOptimizer`'s scale variable",
-        # Distribution.
-        "_in_multi_worker_mode": "how Keras itself tells a multi-worker "
-        "collective strategy, where its 3.15 `fit` needs two workarounds",
         "_train_counter": "tf_keras' count of training steps, which its "
         "own step function increments: so does `step_on_data`",
         "_test_counter": "tf_keras' count of evaluation steps, likewise",
         "_predict_counter": "tf_keras' count of prediction steps, likewise",
-        "keras.src.backend.tensorflow": "Keras 3's `reduce_per_replica`, "
-        "how its `fit` reduces a step's per-replica logs, for "
-        "`step_on_data`",
         "_steps_per_execution": "tf_keras keeps `steps_per_execution` in "
         "this variable; `ResumableBackup` counts batches with it",
         # Saving, loading and resuming.
@@ -95,9 +117,6 @@ PRIVATE_NAMES = {
         "overridden on `accumulate`'s classes, which share their base's name",
         "_track_trackable": "tf_keras' way to add a checkpoint dependency "
         "that is not counted among the weights: the window state",
-        "_initial_epoch": "read by Keras 3's `fit` right after "
-        "`on_train_begin` (what its `BackupAndRestore` sets): "
-        "`ResumableBackup` writes it",
         "_training_state": "read by tf_keras' `fit` right after "
         "`on_train_begin` (what its `BackupAndRestore` sets): "
         "`ResumableBackup` writes it",

@@ -131,22 +131,9 @@ class AutoTrainFunction:
                         "cannot help. Free memory on the device, or make "
                         "the model or its optimizer state smaller.",
                     ) from error
-                current = size or rows
-                if current == 1:
-                    raise out_of_memory(
-                        error,
-                        f"{_OURS}even a slice of one row does not fit on "
-                        "this device.",
-                    ) from error
+                size = _halved(error, size or rows, rows, "training goes on")
                 self._state.restore(before)
                 self._start_over_where_window_was_empty(before)
-                size = current // 2
-                warnings.warn(
-                    f'micro_batch_size="auto": a batch of {rows} rows ran '
-                    f"out of memory in slices of {current} rows; it runs "
-                    f"again, and training goes on, in slices of {size}.",
-                    stacklevel=3,
-                )
                 self._micro_batch.cap(size)
         if size is None:
             # Whole batches ran: the size follows the largest.
@@ -209,15 +196,13 @@ class AutoInferenceFunction:
 
     Args:
         model: The `AccumModel`, with `micro_batch_size="auto"`.
-        micro_batch: Its `_settings.MicroBatch`: the size training chose.
         split_step: `split_step(data, size)`, the model's test or predict
             step of one batch in slices of `size` rows (None: whole).
         kind: `"test"` or `"predict"`.
     """
 
-    def __init__(self, model, micro_batch, split_step, kind):
+    def __init__(self, model, split_step, kind):
         self._model = model
-        self._micro_batch = micro_batch
         self._split_step = split_step
         self._kind = kind
         self._size = None
@@ -252,29 +237,19 @@ class AutoInferenceFunction:
         """One batch, halving the slice until it fits."""
         model = self._model
         rows = _rows_per_replica(model, data)
-        size = self._size or self._micro_batch.chosen
+        chosen = model.micro_batch_size
+        size = self._size or (chosen if isinstance(chosen, int) else None)
         while True:
             step = self._step_of(size, data)
             before = self._state.read()
             try:
                 return step(data)
             except tf.errors.ResourceExhaustedError as error:
-                current = min(size or rows, rows)
-                if current == 1:
-                    raise out_of_memory(
-                        error,
-                        f"{_OURS}even a slice of one row does not fit on "
-                        "this device.",
-                    ) from error
-                self._state.restore(before)
-                size = self._size = current // 2
-                warnings.warn(
-                    f'micro_batch_size="auto": a batch of {rows} rows ran '
-                    f"out of memory in slices of {current} rows in "
-                    f"{'evaluate' if self._kind == 'test' else 'predict'}; "
-                    f"it runs again, and the next ones, in slices of {size}.",
-                    stacklevel=3,
+                where = "evaluate" if self._kind == "test" else "predict"
+                size = self._size = _halved(
+                    error, min(size or rows, rows), rows, f"{where} goes on"
                 )
+                self._state.restore(before)
 
     def _step_of(self, size, data):
         step = self._steps.get(size)
@@ -285,6 +260,29 @@ class AutoInferenceFunction:
             )
             self._state.trace(step, data)
         return step
+
+
+def _halved(error, current, rows, goes_on):
+    """The slice size after `error` in slices of `current` rows: half.
+
+    Warns that the batch runs again in it.
+
+    Raises:
+        tf.errors.ResourceExhaustedError: If `current` is one row already.
+    """
+    if current == 1:
+        raise out_of_memory(
+            error,
+            f"{_OURS}even a slice of one row does not fit on this device.",
+        ) from error
+    size = current // 2
+    warnings.warn(
+        f'micro_batch_size="auto": a batch of {rows} rows ran out of memory '
+        f"in slices of {current} rows; it runs again, and {goes_on}, in "
+        f"slices of {size}.",
+        stacklevel=4,
+    )
+    return size
 
 
 class _AttemptState:

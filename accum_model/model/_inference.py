@@ -13,15 +13,86 @@ mode, inside the one compiled step (`_split.stacked_loop`).
 - **Predict**: the slices' outputs, concatenated, row for row. The batch is
   padded with rows of zeros to a whole number of slices, whose outputs are
   dropped: every slice has the same static shape, as XLA needs.
+
+`SlicedInference`, a base of `AccumModel`, routes its `test_step` and
+`predict_step` here, and with `"auto"` makes its evaluate and predict
+functions `_auto.AutoInferenceFunction`s.
 """
 
 import tensorflow as tf
 
 from accum_model.keras import _adapter
+from accum_model.model import _auto
 from accum_model.model import _normalizers
 from accum_model.model import _split
 
 ADAPTER = _adapter.ADAPTER
+
+
+class SlicedInference:
+    """`evaluate` and `predict` in slices of `micro_batch_size` rows.
+
+    A base of `AccumModel`, before `keras.Model`: with an int
+    `micro_batch_size` its steps run a batch in slices; with `"auto"` its
+    functions are `_auto`'s, which take the size training chose and halve
+    it on an out-of-memory error; with None, as Keras. Reads the model's
+    public settings only.
+    """
+
+    def _micro_batch_setting(self):
+        return self.get_accumulation_config().get("micro_batch_size")
+
+    def test_step(self, data):
+        size = self._micro_batch_setting()
+        if not isinstance(size, int):
+            # None, or "auto", whose test function passes its size.
+            return super().test_step(data)
+        return self._split_test_step(data, size)
+
+    def _split_test_step(self, data, size):
+        """`test_step` of a batch in slices of `size` rows (None: whole)."""
+        if size is None:
+            return super().test_step(data)
+        logs = test_batch(self, data, size, bool(self.jit_compile))
+        return ADAPTER.logs_for_replica_reduction(self, logs)
+
+    def predict_step(self, data):
+        size = self._micro_batch_setting()
+        if not isinstance(size, int):
+            return super().predict_step(data)
+        return self._split_predict_step(data, size)
+
+    def _split_predict_step(self, data, size):
+        """`predict_step` of a batch in slices of `size` rows (None: whole)."""
+        if size is None:
+            return super().predict_step(data)
+        return predict_batch(self, data, size)
+
+    def make_test_function(self, force=False):
+        rebuilt = force or self.test_function is None
+        function = super().make_test_function(force=force)
+        if rebuilt and self._micro_batch_setting() == "auto":
+            self.test_function = function = _auto.AutoInferenceFunction(
+                self, self._split_test_step, "test"
+            )
+        return function
+
+    def make_predict_function(self, force=False):
+        rebuilt = force or self.predict_function is None
+        function = super().make_predict_function(force=force)
+        if rebuilt and self._micro_batch_setting() == "auto":
+            self.predict_function = function = _auto.AutoInferenceFunction(
+                self, self._split_predict_step, "predict"
+            )
+        return function
+
+    def evaluate(self, *args, **kwargs):
+        with _auto.saying_what_to_set(self):
+            return super().evaluate(*args, **kwargs)
+
+    def predict(self, *args, **kwargs):
+        with _auto.saying_what_to_set(self):
+            return super().predict(*args, **kwargs)
 
 
 def test_batch(model, data, size, xla):

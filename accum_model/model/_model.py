@@ -8,27 +8,21 @@ built in `_model_classes`, what it keeps besides its weights in
 """
 
 import warnings
-import weakref
 
 import tensorflow as tf
 
-from accum_model.core._validation import check_accum_steps
-from accum_model.core._validation import check_epoch_end
-from accum_model.core._validation import check_keywords
-from accum_model.core._validation import check_micro_batch_size
 from accum_model.core._validation import check_not_fit_arguments
 from accum_model.core._validation import check_optimizer_not_accumulating
-from accum_model.engine import _adascale
-from accum_model.engine import _noise_scale
 from accum_model.keras import _adapter
 from accum_model.keras._multi_worker import MultiWorkerFitWorkarounds
 from accum_model.model import _auto
 from accum_model.model import _epoch_end
-from accum_model.model import _inference
 from accum_model.model import _model_classes
 from accum_model.model import _normalizers
-from accum_model.model import _split
+from accum_model.model._inference import SlicedInference
 from accum_model.model._model_engine import ModelEngine
+from accum_model.model._model_engine import step_logs
+from accum_model.model._model_engine import window_logs
 from accum_model.model._settings import AccumSettings
 
 ADAPTER = _adapter.ADAPTER
@@ -39,6 +33,7 @@ UNSET = _model_classes.UNSET
 class AccumModel(
     MultiWorkerFitWorkarounds,
     AccumSettings,
+    SlicedInference,
     keras.Model,
     metaclass=_model_classes.KeepsOwnBases,
 ):
@@ -113,17 +108,10 @@ class AccumModel(
         micro_batch_size=UNSET,
         **kwargs,
     ):
-        # Keras' Functional drops keywords it does not know: a misspelled
-        # `accum_steps` would train plain without a word.
-        check_keywords(
-            type(self).__name__,
-            kwargs,
-            _model_classes.ARGUMENTS,
-            passed_to=type(self).__mro__,
-        )
         accum_steps, epoch_end, noise_scale, adascale, micro_batch_size = (
-            _model_classes.resolve_arguments(
+            _model_classes.checked_arguments(
                 self,
+                kwargs,
                 accum_steps,
                 epoch_end,
                 noise_scale,
@@ -131,13 +119,6 @@ class AccumModel(
                 micro_batch_size,
             )
         )
-        ADAPTER.check_backend()
-        accum_steps = check_accum_steps(accum_steps)
-        epoch_end = check_epoch_end(epoch_end)
-        noise_scale = _noise_scale.as_config(noise_scale)
-        adascale = _adascale.as_config(adascale)
-        _adascale.measurement_for(adascale, noise_scale)
-        micro_batch_size = check_micro_batch_size(micro_batch_size)
         if ADAPTER.is_functional_call(args, kwargs):
             _model_classes.init_functional(self, args, kwargs)
         else:
@@ -167,8 +148,6 @@ class AccumModel(
             accum_steps, epoch_end, noise_scale, adascale, micro_batch_size
         )
         self._accum_state = ModelEngine(self)
-        self._flush_function = None
-        self._flush_accumulator = lambda: None
 
     @property
     def gradient_accumulator(self):
@@ -190,20 +169,9 @@ class AccumModel(
 
     @classmethod
     def from_config(cls, config, custom_objects=None):
-        model, arguments = _model_classes.from_config(
+        model = _model_classes.from_config(
             super().from_config, config, custom_objects
         )
-        # `noise_scale` and `adascale` first: they can only be set before
-        # training.
-        for name in (
-            "noise_scale",
-            "adascale",
-            "accum_steps",
-            "epoch_end",
-            "micro_batch_size",
-        ):
-            if name in arguments:
-                setattr(model, name, arguments[name])
         return model
 
     # The hook for custom losses
@@ -306,96 +274,20 @@ class AccumModel(
                 **self._compilation,
                 weight_in_loss=not scaling,
             )
-            logs = _window_logs(accumulator, scaling)
+            logs = window_logs(accumulator, scaling)
         else:
             warnings.warn("The model does not have any trainable weights.")
 
         metrics = ADAPTER.compute_metrics(self, x, y, y_pred, sample_weight)
-        return _step_logs(self, metrics, logs)
+        return step_logs(self, metrics, logs)
 
     def _split_train_step(self, data, size=None, resumable=False):
-        """`train_step` for a batch split into slices (`_split`).
-
-        Args:
-            data: The batch.
-            size: The rows of a slice: by default `micro_batch_size`; None
-                there (`"auto"` before it chose) runs the batch as one.
-            resumable: Whether the batch may run again after an
-                out-of-memory error (`_auto`; never under XLA).
+        """`train_step` for a batch split into slices of `size` rows (None:
+        one slice), resumable after an out-of-memory error or not (`_auto`).
         """
-        self._accum_state.traced_through_window()
-        # Built eagerly before the trace (`make_train_function`) when the
-        # model is: the slices' forward passes run inside a loop, where no
-        # layer may create its weights. A model built lazily (a Sequential
-        # without an `Input`, a subclassed model) is built here by a
-        # forward pass of one row, in inference mode so that it moves no
-        # statistic.
-        x, y, _ = ADAPTER.unpack(data)
-        if not all(
-            layer.built for layer in ADAPTER.layers(self, include_self=True)
-        ):
-            self(tf.nest.map_structure(lambda t: t[:1], x), training=False)
-        accumulator = self._accum_state.build()
-        scaling = ADAPTER.is_loss_scale_optimizer(self.optimizer)
-        xla = bool(self.jit_compile)
-        loss, _ = _split.train_batch(
-            self,
-            accumulator,
-            data,
-            size,
-            scale=ADAPTER.loss_scale(self.optimizer) if scaling else None,
-            xla=xla,
-            resumable=resumable and not xla,
-            compilation=self._compilation,
+        return self._accum_state.split_train_step(
+            data, size, resumable=resumable, compilation=self._compilation
         )
-        ADAPTER.track_loss(self, loss, _normalizers.batch_size(x, y))
-        return _step_logs(
-            self, self.get_metrics_result(), _window_logs(accumulator, scaling)
-        )
-
-    def test_step(self, data):
-        size = self._micro_batch.setting
-        if not isinstance(size, int):
-            # None, or "auto", whose test function passes its size.
-            return super().test_step(data)
-        return self._split_test_step(data, size)
-
-    def _split_test_step(self, data, size):
-        """`test_step` of a batch in slices of `size` rows (None: whole)."""
-        if size is None:
-            return super().test_step(data)
-        logs = _inference.test_batch(self, data, size, bool(self.jit_compile))
-        return ADAPTER.logs_for_replica_reduction(self, logs)
-
-    def predict_step(self, data):
-        size = self._micro_batch.setting
-        if not isinstance(size, int):
-            return super().predict_step(data)
-        return self._split_predict_step(data, size)
-
-    def _split_predict_step(self, data, size):
-        """`predict_step` of a batch in slices of `size` rows (None: whole)."""
-        if size is None:
-            return super().predict_step(data)
-        return _inference.predict_batch(self, data, size)
-
-    def make_test_function(self, force=False):
-        rebuilt = force or self.test_function is None
-        function = super().make_test_function(force=force)
-        if rebuilt and self._micro_batch.setting == "auto":
-            self.test_function = function = _auto.AutoInferenceFunction(
-                self, self._micro_batch, self._split_test_step, "test"
-            )
-        return function
-
-    def make_predict_function(self, force=False):
-        rebuilt = force or self.predict_function is None
-        function = super().make_predict_function(force=force)
-        if rebuilt and self._micro_batch.setting == "auto":
-            self.predict_function = function = _auto.AutoInferenceFunction(
-                self, self._micro_batch, self._split_predict_step, "predict"
-            )
-        return function
 
     def make_train_function(self, force=False):
         # At every `fit` (and for every front end built on this class),
@@ -414,7 +306,7 @@ class AccumModel(
         # `force`), so it is kept across `fit` calls otherwise.
         rebuilt = force or self.train_function is None
         if rebuilt:
-            self._flush_function = None
+            self._accum_state.forget_flush()
         function = super().make_train_function(force=force)
         if rebuilt and self._micro_batch.setting == "auto":
             # Takes each batch itself, so that it can run it again.
@@ -432,25 +324,7 @@ class AccumModel(
         Returns:
             Bool: whether an update was applied.
         """
-        accumulator = self.gradient_accumulator
-        if accumulator is None or not self._accum_state.goes_through_window():
-            # A `train_step` of its own that applies updates itself (see
-            # `warn_once_on_bypass`): nothing was accumulated.
-            return False
-        if self._flush_function is None or (
-            self._flush_accumulator() is not accumulator
-        ):
-            # A new accumulator (the trainable variables changed) or a new
-            # train function: traced again. A weak reference: tf_keras would
-            # count the variables of an accumulator held by an attribute of
-            # the model among its weights.
-            self._flush_function = _epoch_end.flush_function(self, accumulator)
-            self._flush_accumulator = weakref.ref(accumulator)
-        discarded = int(accumulator.discarded_windows)
-        closed = bool(self._flush_function())
-        applied = closed and int(accumulator.discarded_windows) == discarded
-        self._accum_state.warn_if_discarded()
-        return applied
+        return self._accum_state.flush()
 
     def fit(self, *args, **kwargs):
         check_not_fit_arguments(kwargs)
@@ -466,14 +340,6 @@ class AccumModel(
             self._accum_state.discarding_interrupted_batch(),
         ):
             return next_fit(*args, **kwargs)
-
-    def evaluate(self, *args, **kwargs):
-        with _auto.saying_what_to_set(self):
-            return super().evaluate(*args, **kwargs)
-
-    def predict(self, *args, **kwargs):
-        with _auto.saying_what_to_set(self):
-            return super().predict(*args, **kwargs)
 
 
 AccumModel = ADAPTER.register_serializable(AccumModel)
@@ -492,27 +358,3 @@ def start_accumulating(
 def training_state(model):
     """The `ModelEngine` of an `AccumModel` (for `save_plain`)."""
     return model._accum_state
-
-
-def _step_logs(model, metrics, window_logs):
-    # Its own train step, so it reshapes its logs itself (see
-    # `MultiWorkerFitWorkarounds`).
-    logs = ADAPTER.train_logs(model, metrics, window_logs)
-    return ADAPTER.logs_for_replica_reduction(model, logs)
-
-
-def _window_logs(accumulator, scaling):
-    """What a training step adds to `fit`'s logs about the window."""
-    logs = {}
-    if accumulator.noise_scale is not None:
-        logs["gradient_noise_scale"] = accumulator.noise_scale.b_simple
-    adascale = accumulator.adascale
-    if adascale is not None:
-        logs["adascale_gain"] = adascale.gain
-        logs["adascale_tau"] = adascale.tau
-        logs["adascale_lr"] = adascale.learning_rate
-    if scaling:
-        # Where non-finite gradients are expected; elsewhere the logs stay
-        # those of plain fit.
-        logs["skipped_microbatches"] = accumulator.skipped_microbatches
-    return {key: tf.cast(value, tf.float32) for key, value in logs.items()}

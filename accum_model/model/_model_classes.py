@@ -14,6 +14,12 @@ the classes it makes.
 import functools
 import inspect
 
+from accum_model.core._validation import check_accum_steps
+from accum_model.core._validation import check_epoch_end
+from accum_model.core._validation import check_keywords
+from accum_model.core._validation import check_micro_batch_size
+from accum_model.engine import _adascale
+from accum_model.engine import _noise_scale
 from accum_model.keras import _adapter
 
 ADAPTER = _adapter.ADAPTER
@@ -66,23 +72,41 @@ class KeepsOwnBases(type):
         super().__setattr__(name, value)
 
 
-def resolve_arguments(model, *arguments):
-    """The accumulation arguments of a construction, defaults filled in.
+def checked_arguments(model, kwargs, *arguments):
+    """The accumulation arguments of a construction, checked, defaults in.
 
     Args:
         model: The model being constructed.
+        kwargs: The other keyword arguments of the construction (Keras'
+            Functional drops keywords it does not know: a misspelled
+            `accum_steps` would train plain without a word).
         *arguments: `ARGUMENTS` as `AccumModel.__init__` received them,
             `UNSET` where not given: then what a subclass's `__init__` kept
             for it (see `seeing_accumulation_arguments`), else the default.
 
     Returns:
-        A tuple in the order of `ARGUMENTS`.
+        A tuple in the order of `ARGUMENTS`, checked (`noise_scale` and
+        `adascale` as configs).
+
+    Raises:
+        ValueError, TypeError: As `AccumModel`'s constructor.
     """
+    check_keywords(
+        type(model).__name__, kwargs, ARGUMENTS, passed_to=type(model).__mro__
+    )
     given = model.__dict__.get("_accum_new_kwargs", {})
-    return tuple(
+    accum_steps, epoch_end, noise_scale, adascale, micro_batch_size = (
         given.get(name, _DEFAULTS[name]) if value is UNSET else value
         for name, value in zip(ARGUMENTS, arguments)
     )
+    ADAPTER.check_backend()
+    accum_steps = check_accum_steps(accum_steps)
+    epoch_end = check_epoch_end(epoch_end)
+    noise_scale = _noise_scale.as_config(noise_scale)
+    adascale = _adascale.as_config(adascale)
+    _adascale.measurement_for(adascale, noise_scale)
+    micro_batch_size = check_micro_batch_size(micro_batch_size)
+    return accum_steps, epoch_end, noise_scale, adascale, micro_batch_size
 
 
 def init_functional(model, args, kwargs):
@@ -135,9 +159,12 @@ def base_config(model, accum_model_class, next_get_config):
 def from_config(next_from_config, config, custom_objects):
     """Builds a model from `config` with the next class's `from_config`.
 
+    The accumulation arguments `config` holds are set on the model after
+    (through its properties): `noise_scale` and `adascale` first, as they
+    can only be set before training.
+
     Returns:
-        `(model, arguments)`: the model, and the accumulation arguments
-        `config` held (a dict of those present) for the caller to set.
+        The model.
     """
     config = dict(config)
     arguments = {name: config.pop(name) for name in ARGUMENTS if name in config}
@@ -145,7 +172,19 @@ def from_config(next_from_config, config, custom_objects):
         model = next_from_config(config, custom_objects=custom_objects)
     else:  # keras-hub's `Task.from_config(config)`, for one.
         model = next_from_config(config)
-    return model, {k: v for k, v in arguments.items() if v is not None}
+    for name in _SET_ORDER:
+        if arguments.get(name) is not None:
+            setattr(model, name, arguments[name])
+    return model
+
+
+_SET_ORDER = (
+    "noise_scale",
+    "adascale",
+    "accum_steps",
+    "epoch_end",
+    "micro_batch_size",
+)
 
 
 def marking_base(base):

@@ -1,9 +1,11 @@
 """What an `AccumModel` keeps besides its weights, and what it warns once.
 
 `ModelEngine` holds the model's `GradientAccumulator` (built once the
-model and its optimizer are), is saved with the model, and keeps the flags
-of the warnings a model gives once (a `train_step` that bypasses the window,
-a plain BatchNormalization, discarded windows).
+model and its optimizer are), is saved with the model, runs what goes
+through it besides `train_step` (a batch in slices, the flush of a partial
+window), and keeps the flags of the warnings a model gives once (a
+`train_step` that bypasses the window, a plain BatchNormalization,
+discarded windows).
 """
 
 import contextlib
@@ -18,6 +20,9 @@ from accum_model.engine import _state
 from accum_model.engine._accumulator import GradientAccumulator
 from accum_model.keras import _adapter
 from accum_model.keras._optimizers import build_optimizer
+from accum_model.model import _epoch_end
+from accum_model.model import _normalizers
+from accum_model.model import _split
 
 ADAPTER = _adapter.ADAPTER
 keras = _adapter.keras
@@ -47,6 +52,10 @@ class ModelEngine(ADAPTER.saveable_base):
         self._traced_through_window = False
         self._warned_bypass = False
         self._without_window = False
+        # The flush of a partial window (`flush`), traced like the train
+        # function and for one accumulator.
+        self._flush_function = None
+        self._flush_accumulator = None
 
     def _obj_type(self):
         # Private (Keras 3): the kind of object saving records.
@@ -114,6 +123,83 @@ class ModelEngine(ADAPTER.saveable_base):
         self.accumulator = accumulator
         ADAPTER.track_state(model, accumulator)
         return accumulator
+
+    # What goes through the window besides `train_step`
+
+    def split_train_step(self, data, size, *, resumable, compilation):
+        """The model's `train_step` for a batch in slices (`_split`).
+
+        Args:
+            data: The batch.
+            size: The rows of a slice; None runs the batch as one.
+            resumable: Whether the batch may run again after an
+                out-of-memory error (`_auto`; never under XLA).
+            compilation: `GradientAccumulator.step`'s `jit_compile` and
+                `compile_update`, from the model's settings.
+
+        Returns:
+            The step's logs.
+        """
+        model = self._model_ref()
+        self.traced_through_window()
+        # Built eagerly before the trace (`make_train_function`) when the
+        # model is: the slices' forward passes run inside a loop, where no
+        # layer may create its weights. A model built lazily (a Sequential
+        # without an `Input`, a subclassed model) is built here by a
+        # forward pass of one row, in inference mode so that it moves no
+        # statistic.
+        x, y, _ = ADAPTER.unpack(data)
+        if not all(
+            layer.built for layer in ADAPTER.layers(model, include_self=True)
+        ):
+            model(tf.nest.map_structure(lambda t: t[:1], x), training=False)
+        accumulator = self.build()
+        scaling = ADAPTER.is_loss_scale_optimizer(model.optimizer)
+        xla = bool(model.jit_compile)
+        loss, _ = _split.train_batch(
+            model,
+            accumulator,
+            data,
+            size,
+            scale=ADAPTER.loss_scale(model.optimizer) if scaling else None,
+            xla=xla,
+            resumable=resumable and not xla,
+            compilation=compilation,
+        )
+        ADAPTER.track_loss(model, loss, _normalizers.batch_size(x, y))
+        return step_logs(
+            model, model.get_metrics_result(), window_logs(accumulator, scaling)
+        )
+
+    def forget_flush(self):
+        """Drops the flush function: the train function was rebuilt."""
+        self._flush_function = None
+
+    def flush(self):
+        """Applies a pending, partly filled window (`apply_accumulated`).
+
+        Returns:
+            Bool: whether an update was applied.
+        """
+        accumulator = self.accumulator
+        if accumulator is None or not self.goes_through_window():
+            # A `train_step` of its own that applies updates itself (see
+            # `warn_once_on_bypass`): nothing was accumulated.
+            return False
+        if self._flush_function is None or (
+            self._flush_accumulator is not accumulator
+        ):
+            # A new accumulator (the trainable variables changed) or a new
+            # train function: traced again.
+            self._flush_function = _epoch_end.flush_function(
+                self._model_ref(), accumulator
+            )
+            self._flush_accumulator = accumulator
+        discarded = int(accumulator.discarded_windows)
+        closed = bool(self._flush_function())
+        applied = closed and int(accumulator.discarded_windows) == discarded
+        self.warn_if_discarded()
+        return applied
 
     @contextlib.contextmanager
     def discarding_interrupted_batch(self):
@@ -275,3 +361,27 @@ class ModelEngine(ADAPTER.saveable_base):
 
 def _same_variables(a, b):
     return len(a) == len(b) and all(x is y for x, y in zip(a, b))
+
+
+def step_logs(model, metrics, window_logs):
+    """The logs of the model's own train step, reshaped as Keras' are (see
+    `MultiWorkerFitWorkarounds`)."""
+    logs = ADAPTER.train_logs(model, metrics, window_logs)
+    return ADAPTER.logs_for_replica_reduction(model, logs)
+
+
+def window_logs(accumulator, scaling):
+    """What a training step adds to `fit`'s logs about the window."""
+    logs = {}
+    if accumulator.noise_scale is not None:
+        logs["gradient_noise_scale"] = accumulator.noise_scale.b_simple
+    adascale = accumulator.adascale
+    if adascale is not None:
+        logs["adascale_gain"] = adascale.gain
+        logs["adascale_tau"] = adascale.tau
+        logs["adascale_lr"] = adascale.learning_rate
+    if scaling:
+        # Where non-finite gradients are expected; elsewhere the logs stay
+        # those of plain fit.
+        logs["skipped_microbatches"] = accumulator.skipped_microbatches
+    return {key: tf.cast(value, tf.float32) for key, value in logs.items()}
