@@ -282,8 +282,8 @@ class Keras3Adapter(AdapterBase):
             )
         return terms
 
-    def track_state(self, model, accumulator):
-        del model, accumulator  # Keras 3 saves it through `ModelEngine`.
+    def track_state(self, model, state):
+        del model, state  # Keras 3 saves it through `ModelEngine`.
 
     # Keras 3 saves weights, optimizer and the accumulation window only in
     # its `.weights.h5` format.

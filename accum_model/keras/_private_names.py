@@ -176,6 +176,14 @@ PRIVATE_NAMES = {
         "_obj_type": "what Keras 3's saving records for a `KerasSaveable`; "
         "the state says what kind of object it is",
     },
+    "_checkpoint.py": {
+        "_serialize_to_tensors": "TensorFlow's `Trackable` method that gives "
+        "a checkpoint the tensors of an object (overridden): the window "
+        "state's entries, keyed as `_formats` keys them",
+        "_restore_from_tensors": "TensorFlow's `Trackable` method that "
+        "restores an object from what a checkpoint holds (overridden): "
+        "through `_formats.read`, all or nothing",
+    },
     "_control_flow.py": {
         "tensorflow.python.ops": "`control_flow_util`, the one way to ask "
         "whether a graph being traced is compiled by XLA, for custom loops "

@@ -188,12 +188,19 @@ class TfKerasAdapter(AdapterBase):
         # in the step being traced.
         self.build_optimizer_for_restore(optimizer, variables)
 
-    def track_state(self, model, accumulator):
-        # tf_keras' BackupAndRestore and `save_weights` in TF format write
-        # `tf.train.Checkpoint`s of the model. A checkpoint dependency added
-        # this way is saved and restored (also when created after a restore
-        # began) but, unlike an attribute, is not counted among the weights.
-        model._track_trackable(accumulator, name="accumulation", overwrite=True)
+    def track_state(self, model, state):
+        """Saves `state` (a trackable) in the model's TensorFlow checkpoints.
+
+        tf_keras' BackupAndRestore and `save_weights` in TF format write
+        `tf.train.Checkpoint`s of the model. A checkpoint dependency added
+        this way is saved and restored (also when created after a restore
+        began: TensorFlow restores it as it is added) but, unlike an
+        attribute, is not counted among the weights. `state` is the
+        window's state matched by name and structure
+        (`_checkpoint.StateCheckpoint`), not the accumulator, whose
+        variables a checkpoint would key by their attribute paths.
+        """
+        model._track_trackable(state, name="accumulation", overwrite=True)
 
     def optimizer_built(self, optimizer):
         return getattr(optimizer, "_built", True)

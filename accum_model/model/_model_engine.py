@@ -16,6 +16,7 @@ import tensorflow as tf
 
 from accum_model.core._validation import check_optimizer_not_accumulating
 from accum_model.engine import _adascale
+from accum_model.engine import _checkpoint
 from accum_model.engine import _state
 from accum_model.engine._accumulator import GradientAccumulator
 from accum_model.keras import _adapter
@@ -121,7 +122,9 @@ class ModelEngine(ADAPTER.saveable_base):
                     if callable(attach):
                         attach(accumulator)
         self.accumulator = accumulator
-        ADAPTER.track_state(model, accumulator)
+        ADAPTER.track_state(
+            model, _checkpoint.StateCheckpoint(accumulator.state)
+        )
         return accumulator
 
     # What goes through the window besides `train_step`
@@ -262,8 +265,9 @@ class ModelEngine(ADAPTER.saveable_base):
 
         True once a traced step went through it, or once the window holds
         micro-batches: restored from a save, which tf_keras'
-        `BackupAndRestore` does through a checkpoint of the accumulator's
-        variables, never calling `load_own_variables`. Such a window is
+        `BackupAndRestore` does through a TensorFlow checkpoint
+        (`_checkpoint.StateCheckpoint`), never calling
+        `load_own_variables`. Such a window is
         applicable at once, before any step of this process.
         """
         if not self._traced_through_window and self.accumulator is not None:
