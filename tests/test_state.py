@@ -22,6 +22,7 @@ from accum_model.engine import _formats
 from accum_model.engine import _state
 from accum_model.keras._adapter import keras
 from tests import testing_utils as tu
+from tests.fixtures import tf_keras_state
 from tests.fixtures import window_state as fixture
 
 _FIXTURES = os.path.dirname(os.path.abspath(fixture.__file__))
@@ -252,6 +253,166 @@ class FixtureTest(tf.test.TestCase, parameterized.TestCase):
             store = {k: np.array(v) for k, v in f["_accum_state/vars"].items()}
         with self.assertRaisesRegex(ValueError, "lacks the entry|not know"):
             model.gradient_accumulator.state.load(store)
+
+
+@tu.skip_unless_available("tf_keras")
+class TfKerasCheckpointTest(tf.test.TestCase):
+    """tf_keras' TensorFlow-format checkpoints: the same match as files.
+
+    `save_weights` without `.h5` (and `BackupAndRestore`, `tf.train.
+    Checkpoint`) save the state by name and structure, as Keras 3 files
+    do: into the same network built after another model (Keras names its
+    layers with other counters) it restores exactly, a model of other
+    settings or with layers that changed places is refused.
+    """
+
+    fx = tf_keras_state
+
+    def _build_second(self):
+        """The fixture's model, built after another: Keras' names differ."""
+        self.fx.build_model()
+        return self.fx.build_model()
+
+    def _uninterrupted(self, initial):
+        model = self._build_second()
+        model.set_weights(initial)
+        x, y = self.fx.data()
+        self.fx.fit(model, x, y)
+        return _readings(model)
+
+    def _mid_window(self):
+        """A model trained mid-window, saved in TF format: (path, initial)."""
+        keras.utils.set_random_seed(0)
+        model = self.fx.build_model()
+        initial = model.get_weights()
+        x, y = self.fx.data()
+        n = self.fx.SAVED_AFTER * self.fx.BATCH_SIZE
+        self.fx.fit(model, x[:n], y[:n])
+        self.assertEqual(int(model.gradient_accumulator.micro_step), 2)
+        path = os.path.join(self.get_temp_dir(), "mid_window")
+        model.save_weights(path)
+        return path, initial, [w.name for w in model.weights]
+
+    def _continue(self, model):
+        x, y = self.fx.data()
+        n = self.fx.SAVED_AFTER * self.fx.BATCH_SIZE
+        self.fx.fit(model, x[n:], y[n:])
+        return _readings(model)
+
+    def _assert_same(self, expected, actual):
+        self.assertEqual(
+            expected["iterations"], self.fx.TOTAL // self.fx.ACCUM_STEPS
+        )
+        FixtureTest._assert_same(self, expected, actual)
+
+    def test_continues_to_the_uninterrupted_run(self):
+        # Loaded before the accumulator exists: restored as it is created.
+        path, initial, names = self._mid_window()
+        model = self._build_second()
+        self.assertNotEqual([w.name for w in model.weights], names)
+        model.load_weights(path)
+        self._assert_same(self._uninterrupted(initial), self._continue(model))
+
+    def test_continues_when_loaded_into_a_trained_model(self):
+        # Loaded once the accumulator exists (and holds a window of its
+        # own): restored at once.
+        path, initial, _ = self._mid_window()
+        model = self._build_second()
+        x, y = self.fx.data()
+        self.fx.fit(model, x[:4], y[:4])
+        model.load_weights(path)
+        self.assertEqual(int(model.gradient_accumulator.micro_step), 2)
+        self._assert_same(self._uninterrupted(initial), self._continue(model))
+
+    def test_checked_in_checkpoint_continues(self):
+        # Written by tests/fixtures/tf_keras_state.py, in another process.
+        for prefix in self.fx.FIXTURES:
+            with self.subTest(prefix):
+                model = self._build_second()
+                model.load_weights(self.fx.path(prefix, "initial"))
+                initial = model.get_weights()
+                model = self._build_second()
+                model.load_weights(self.fx.path(prefix, "mid_window"))
+                with np.load(self.fx.path(prefix, "data.npz")) as data:
+                    self.assertAllEqual(data["x"], self.fx.data()[0])
+                self._assert_same(
+                    self._uninterrupted(initial), self._continue(model)
+                )
+
+    def test_settings_and_batches_are_not_saved(self):
+        path, _, _ = self._mid_window()
+        reader = tf.train.load_checkpoint(path)
+        keys = [
+            k.decode()
+            for k in reader.get_tensor("accumulation/.ATTRIBUTES/keys")
+        ]
+        self.assertIn(_formats.VERSION_KEY, keys)
+        self.assertIn("engine.micro_step", keys)
+        self.assertIn("noise_scale.windows", keys)
+        self.assertFalse(
+            [k for k in keys if k.startswith(("batch.", "rows_added."))]
+        )
+        self.assertNotIn("engine.accum_steps", keys)
+
+    def _loads_nothing(self, model, path, message, data=None):
+        x, y = data or self.fx.data()
+        self.fx.fit(model, x[:4], y[:4])
+        state = model.gradient_accumulator.state
+        before = [v.numpy() for v in state.variables]
+        with self.assertRaisesRegex(ValueError, message):
+            model.load_weights(path)
+        for a, v in zip(before, state.variables):
+            self.assertAllEqual(a, v)
+
+    def test_a_model_of_other_settings_is_refused(self):
+        path, _, _ = self._mid_window()
+        inputs = keras.Input((3,))
+        h = keras.layers.Dense(4, activation="tanh")(inputs)
+        model = accum_model.AccumModel(
+            inputs,
+            keras.layers.Dense(2)(h),
+            accum_steps=self.fx.ACCUM_STEPS,
+            epoch_end="carry",
+        )
+        model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+        self._loads_nothing(model, path, r"does not know: \['adascale\.")
+
+    def _ordered(self, order):
+        inputs = keras.Input((4,))
+        h = inputs
+        for name in order:
+            h = keras.layers.Dense(4, name=name)(h)
+        model = accum_model.AccumModel(
+            inputs, keras.layers.Dense(3)(h), accum_steps=4, epoch_end="carry"
+        )
+        model.compile(optimizer="sgd", loss="mse")
+        return model
+
+    def test_same_shape_layers_that_changed_places_are_refused(self):
+        # TensorFlow loads the weights by place: the second model's `b`
+        # gets the first one's `a` weights. The accumulators are matched by
+        # name and place, so they are refused, never loaded crosswise.
+        x, y = tu.regression_data(8, in_dim=4)
+        first = self._ordered(["a", "b"])
+        first.fit(x, y, batch_size=4, verbose=0)
+        path = os.path.join(self.get_temp_dir(), "ab")
+        first.save_weights(path)
+        swapped = self._ordered(["b", "a"])
+        self._loads_nothing(
+            swapped, path, "lacks the entry 'accumulator.", (x, y)
+        )
+
+    def test_same_shape_layers_refused_before_the_accumulator_exists(self):
+        x, y = tu.regression_data(8, in_dim=4)
+        first = self._ordered(["a", "b"])
+        first.fit(x, y, batch_size=4, verbose=0)
+        path = os.path.join(self.get_temp_dir(), "ab")
+        first.save_weights(path)
+        swapped = self._ordered(["b", "a"])
+        swapped.load_weights(path)
+        # Restored as the accumulator is created, in the first `fit`.
+        with self.assertRaisesRegex(ValueError, "lacks the entry"):
+            swapped.fit(x[:4], y[:4], batch_size=4, verbose=0)
 
 
 class WindowStateTest(tf.test.TestCase):

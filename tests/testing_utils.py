@@ -200,8 +200,9 @@ def skip_unless_available(what):
     """The one way tests skip: a Keras generation or a package missing.
 
     Args:
-        what: `"keras_3"` (Keras 3, not tf_keras) or `"keras_hub"` (keras-hub
-            importable, which implies Keras 3).
+        what: `"keras_3"` (Keras 3, not tf_keras), `"tf_keras"` (tf_keras,
+            `TF_USE_LEGACY_KERAS=1`) or `"keras_hub"` (keras-hub importable,
+            which implies Keras 3).
 
     Returns:
         A `unittest` skip decorator, or a no-op one, with the reason.
@@ -212,6 +213,10 @@ def skip_unless_available(what):
         "keras_3": "tf_keras (TF_USE_LEGACY_KERAS=1) has no such feature"
         if LEGACY
         else None,
+        "tf_keras": None
+        if LEGACY
+        else "Keras 3 (TF_USE_LEGACY_KERAS=1 selects tf_keras) has no such "
+        "feature",
         "keras_hub": _keras_hub_missing(),
     }
     reason = reasons[what]
