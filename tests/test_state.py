@@ -18,6 +18,7 @@ import tensorflow as tf
 from absl.testing import parameterized
 
 import accum_model
+from accum_model.engine import _checkpoint
 from accum_model.engine import _formats
 from accum_model.engine import _state
 from accum_model.keras._adapter import keras
@@ -401,6 +402,23 @@ class TfKerasCheckpointTest(tf.test.TestCase):
         self._loads_nothing(
             swapped, path, "lacks the entry 'accumulator.", (x, y)
         )
+
+    def test_a_checkpoint_of_the_old_layout_is_said_not_restored(self):
+        # Before issue 39 the model tracked the accumulator itself, whose
+        # variables a checkpoint keyed by Keras' names.
+        model = self.fx.build_model()
+        x, y = self.fx.data()
+        self.fx.fit(model, x[:8], y[:8])
+        engine = model.gradient_accumulator
+        path = tf.train.Checkpoint(accumulation=engine).write(
+            os.path.join(self.get_temp_dir(), "old")
+        )
+        before = [v.numpy() for v in engine.state.variables]
+        restoring = _checkpoint.StateCheckpoint(engine.state)
+        with self.assertWarnsRegex(UserWarning, "before 0.2.0's issue 39"):
+            tf.train.Checkpoint(accumulation=restoring).restore(path)
+        for a, v in zip(before, engine.state.variables):
+            self.assertAllEqual(a, v)
 
     def test_same_shape_layers_refused_before_the_accumulator_exists(self):
         x, y = tu.regression_data(8, in_dim=4)

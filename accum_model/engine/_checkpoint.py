@@ -21,6 +21,8 @@ entry a later format adds (`Entry.since`) included.
 This module knows TensorFlow only.
 """
 
+import warnings
+
 import numpy as np
 import tensorflow as tf
 
@@ -38,6 +40,7 @@ class StateCheckpoint(tf.__internal__.tracking.Trackable):
 
     def __init__(self, state):
         self._window = state
+        self._warned_old_layout = False
 
     def _serialize_to_tensors(self):
         if not tf.executing_eagerly():
@@ -60,6 +63,24 @@ class StateCheckpoint(tf.__internal__.tracking.Trackable):
         if restored_tensors:
             self._window.load(unpack(restored_tensors))
         return tf.no_op()
+
+    def _lookup_dependency(self, name, cached_dependencies=None):
+        # Asked for each child the checkpoint holds under this object. It
+        # has none: a checkpoint written before issue 39, which kept the
+        # accumulator itself (`state/_variables/<name>`, by Keras' names,
+        # which could give one layer another's gradients). Not restored,
+        # but said, rather than left silently.
+        del cached_dependencies
+        if not self._warned_old_layout:
+            self._warned_old_layout = True
+            warnings.warn(
+                "This TensorFlow checkpoint holds the accumulation state "
+                "as accum_model wrote it before 0.2.0's issue 39 (the "
+                f"accumulator's variables, {name!r}, by Keras' names). It "
+                "is not restored: the window starts empty.",
+                stacklevel=2,
+            )
+        return None
 
 
 def unpack(restored):

@@ -183,6 +183,9 @@ PRIVATE_NAMES = {
         "_restore_from_tensors": "TensorFlow's `Trackable` method that "
         "restores an object from what a checkpoint holds (overridden): "
         "through `_formats.read`, all or nothing",
+        "_lookup_dependency": "TensorFlow's `Trackable` method that a "
+        "restore asks for each child the checkpoint holds (overridden): "
+        "children mean the layout before issue 39, which is warned about",
     },
     "_control_flow.py": {
         "tensorflow.python.ops": "`control_flow_util`, the one way to ask "
