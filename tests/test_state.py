@@ -62,30 +62,32 @@ def _build(prefix):
     return model
 
 
+def _ordered_model(order):
+    """Dense layers of the same shape named in `order` (None: by Keras)."""
+    inputs = keras.Input((4,))
+    h = inputs
+    for name in order:
+        h = keras.layers.Dense(4, name=name)(h)
+    model = accum_model.AccumModel(
+        inputs, keras.layers.Dense(3)(h), accum_steps=4, epoch_end="carry"
+    )
+    model.compile(optimizer="sgd", loss="mse")
+    return model
+
+
 @tu.skip_unless_available("keras_3")
 class PlaceTest(tf.test.TestCase):
-    def _model(self, order):
-        inputs = keras.Input((4,))
-        h = inputs
-        for name in order:
-            h = keras.layers.Dense(4, name=name)(h)
-        model = accum_model.AccumModel(
-            inputs, keras.layers.Dense(3)(h), accum_steps=4, epoch_end="carry"
-        )
-        model.compile(optimizer="sgd", loss="mse")
-        return model
-
     def test_same_shape_variables_that_changed_places_are_refused(self):
         # Keras loads the weights by place: the second model's `b` gets the
         # first one's `a` weights. Loading the accumulators by name would
         # give each layer the other's gradients; by place with names they
         # are refused.
         x, y = tu.regression_data(8, in_dim=4)
-        first = self._model(["a", "b"])
+        first = _ordered_model(["a", "b"])
         first.fit(x, y, batch_size=4, verbose=0)
         path = os.path.join(self.get_temp_dir(), "ab.weights.h5")
         first.save_weights(path)
-        swapped = self._model(["b", "a"])
+        swapped = _ordered_model(["b", "a"])
         swapped.fit(x[:4], y[:4], batch_size=4, verbose=0)
         state = swapped.gradient_accumulator.state
         before = [v.numpy() for v in state.variables]
@@ -98,14 +100,14 @@ class PlaceTest(tf.test.TestCase):
         # The places count every weight: freezing a layer changes which
         # variables accumulate, not the keys of the others.
         x, y = tu.regression_data(8, in_dim=4)
-        first = self._model([None, None])
+        first = _ordered_model([None, None])
         first.layers[1].trainable = False
         first.compile(optimizer="sgd", loss="mse")
         first.fit(x[:8], y[:8], batch_size=4, verbose=0)
         self.assertEqual(int(first.gradient_accumulator.micro_step), 2)
         path = os.path.join(self.get_temp_dir(), "frozen.weights.h5")
         first.save_weights(path)
-        again = self._model([None, None])  # Named by other counters.
+        again = _ordered_model([None, None])  # Named by other counters.
         again.layers[1].trainable = False
         again.compile(optimizer="sgd", loss="mse")
         again.fit(x[:4], y[:4], batch_size=4, verbose=0)
@@ -378,27 +380,16 @@ class TfKerasCheckpointTest(tf.test.TestCase):
         model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
         self._loads_nothing(model, path, r"does not know: \['adascale\.")
 
-    def _ordered(self, order):
-        inputs = keras.Input((4,))
-        h = inputs
-        for name in order:
-            h = keras.layers.Dense(4, name=name)(h)
-        model = accum_model.AccumModel(
-            inputs, keras.layers.Dense(3)(h), accum_steps=4, epoch_end="carry"
-        )
-        model.compile(optimizer="sgd", loss="mse")
-        return model
-
     def test_same_shape_layers_that_changed_places_are_refused(self):
         # TensorFlow loads the weights by place: the second model's `b`
         # gets the first one's `a` weights. The accumulators are matched by
         # name and place, so they are refused, never loaded crosswise.
         x, y = tu.regression_data(8, in_dim=4)
-        first = self._ordered(["a", "b"])
+        first = _ordered_model(["a", "b"])
         first.fit(x, y, batch_size=4, verbose=0)
         path = os.path.join(self.get_temp_dir(), "ab")
         first.save_weights(path)
-        swapped = self._ordered(["b", "a"])
+        swapped = _ordered_model(["b", "a"])
         self._loads_nothing(
             swapped, path, "lacks the entry 'accumulator.", (x, y)
         )
@@ -422,11 +413,11 @@ class TfKerasCheckpointTest(tf.test.TestCase):
 
     def test_same_shape_layers_refused_before_the_accumulator_exists(self):
         x, y = tu.regression_data(8, in_dim=4)
-        first = self._ordered(["a", "b"])
+        first = _ordered_model(["a", "b"])
         first.fit(x, y, batch_size=4, verbose=0)
         path = os.path.join(self.get_temp_dir(), "ab")
         first.save_weights(path)
-        swapped = self._ordered(["b", "a"])
+        swapped = _ordered_model(["b", "a"])
         swapped.load_weights(path)
         # Restored as the accumulator is created, in the first `fit`.
         with self.assertRaisesRegex(ValueError, "lacks the entry"):
