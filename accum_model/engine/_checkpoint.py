@@ -66,7 +66,7 @@ class StateCheckpoint(tf.__internal__.tracking.Trackable):
 
     def _lookup_dependency(self, name, cached_dependencies=None):
         # Asked for each child the checkpoint holds under this object. It
-        # has none: a checkpoint written before issue 39, which kept the
+        # has none: a checkpoint written before 0.2.0, which kept the
         # accumulator itself (`state/_variables/<name>`, by Keras' names,
         # which could give one layer another's gradients). Not restored,
         # but said, rather than left silently.
@@ -75,7 +75,7 @@ class StateCheckpoint(tf.__internal__.tracking.Trackable):
             self._warned_old_layout = True
             warnings.warn(
                 "This TensorFlow checkpoint holds the accumulation state "
-                "as accum_model wrote it before 0.2.0's issue 39 (the "
+                "as accum_model wrote it before 0.2.0 (the "
                 f"accumulator's variables, {name!r}, by Keras' names). It "
                 "is not restored: the window starts empty.",
                 stacklevel=2,
