@@ -406,7 +406,7 @@ class TfKerasCheckpointTest(tf.test.TestCase):
         )
         before = [v.numpy() for v in engine.state.variables]
         restoring = _checkpoint.StateCheckpoint(engine.state)
-        with self.assertWarnsRegex(UserWarning, "before 0.2.0's issue 39"):
+        with self.assertWarnsRegex(UserWarning, r"before 0\.2\.0 \(the"):
             tf.train.Checkpoint(accumulation=restoring).restore(path)
         for a, v in zip(before, engine.state.variables):
             self.assertAllEqual(a, v)
