@@ -37,7 +37,7 @@ import tensorflow as tf
 import accum_model
 from accum_model.keras._adapter import LEGACY
 from accum_model.keras._adapter import keras
-from accum_model.model import _auto
+from accum_model.model import _attempts
 
 BATCH = 256
 FEATURES = 16
@@ -117,7 +117,7 @@ class _PartialAdditions:
 
     def __init__(self):
         self.counts = []
-        self._restore = _auto._AttemptState.restore
+        self._restore = _attempts.AttemptState.restore
         counts = self.counts
         original = self._restore
 
@@ -134,10 +134,10 @@ class _PartialAdditions:
                 )
             return original(state, before)
 
-        _auto._AttemptState.restore = restore
+        _attempts.AttemptState.restore = restore
 
     def close(self):
-        _auto._AttemptState.restore = self._restore
+        _attempts.AttemptState.restore = self._restore
 
 
 _STRATEGY = []

@@ -140,7 +140,7 @@ PRIVATE_NAMES = {
         "engine's steps, from the model's `jit_compile` and what `compile` "
         "was given (`AccumSettings`)",
     },
-    "_auto.py": {
+    "_attempts.py": {
         "_omit_frequent_tracing_warning": "an attribute of TensorFlow's "
         "`tf.function`, set on the read of what an attempt may write, made "
         "again for each slice size by design",
