@@ -77,7 +77,16 @@ _PROCESSES = {
             "mixed_bn": "auto:48:bn:mixed",
         },
     ),
-    "mirrored": (2, {"mirrored_bn": "auto:48,96:bn"}),
+    "mirrored": (
+        2,
+        {
+            "mirrored_bn": "auto:48,96:bn",
+            # Its reference: in the same process of two logical devices,
+            # after it, at the sizes it used (they fit under the limit);
+            # no second process started after the others.
+            "mirrored_bn_reference": "same=mirrored_bn:48,96:bn",
+        },
+    ),
 }
 
 
@@ -142,23 +151,13 @@ class AutoUnderLimitTest(parameterized.TestCase):
             for _, runs in _PROCESSES.values()
             for name in runs
         }
-        # The reference of the run on two replicas, without a limit, at the
-        # sizes that run used: in a process of two logical devices too.
-        sizes = _sizes(results["mirrored_bn"][0])
-        references = {
-            "mirrored": (2, {"mirrored_bn_reference": f"{sizes}:48,96:bn"})
-        }
-        env.pop("TF_CPU_BFC_MEM_LIMIT_IN_MB")
-        _run_workers(cls._dir, references, env)
-        results["mirrored_bn_reference"] = _load(
-            os.path.join(cls._dir, "mirrored_bn_reference.npz")
-        )
         cls.results = results
 
     def assert_same_training(self, run, reference, atol=1e-5, plain=False):
         result, weights = run
         expected, expected_weights = reference
         self.assertEqual(result["error"], "")
+        self.assertEqual(expected["error"], "")
         if not plain:
             # Plain fit on a dataset of unknown length counts one more
             # update at the epoch's end, on an iterator that ran dry.
@@ -213,62 +212,61 @@ class AutoUnderLimitTest(parameterized.TestCase):
         if not any(result["partial_additions"]):
             self.skipTest("This run ran out of memory before any addition.")
 
+    def assert_trains_as_at_its_sizes(self, name, reference, tolerance=1e-5):
+        """Run `name` against `reference`, a run with no out-of-memory error
+        that used, per batch, the size the retries arrived at: `(lengths,
+        options)` trained here without a limit, or the name of a run in the
+        same process."""
+        run = self.results[name]
+        result, _ = run
+        if isinstance(reference, str):
+            reference = self.results[reference]
+        else:
+            lengths, options = reference
+            reference = memory_worker.train(_sizes(result), lengths, options)
+        self.assert_same_training(run, reference, atol=tolerance)
+        np.testing.assert_allclose(
+            result["noise_scale"], reference[0]["noise_scale"], rtol=tolerance
+        )
+        return result, reference[0]
+
     def test_retry_restores_what_the_failed_attempts_wrote(self):
         # Dropout (its seed generator), AccumBatchNormalization, the noise
-        # scale and the metrics, against a run without a limit that used,
-        # per batch, the size the retries arrived at.
-        run = self.results["extras"]
-        result, _ = run
+        # scale and the metrics.
+        result, _ = self.assert_trains_as_at_its_sizes(
+            "extras", ([8, 48], ["bn", "dropout"])
+        )
         self.assertNotEmpty(result["warnings"])
         self.assertEqual(result["sizes"][0], memory_worker.BATCH)
-        reference = memory_worker.train(
-            _sizes(result), [8, 48], ["bn", "dropout"]
-        )
-        self.assert_same_training(run, reference)
-        np.testing.assert_allclose(
-            result["noise_scale"], reference[0]["noise_scale"], rtol=1e-5
-        )
 
     def test_mid_window_with_accum_batchnorm(self):
         # accum_steps=2: the second batch runs out of memory while the
         # window holds the first; its errors come before any addition.
-        run = self.results["window_bn"]
-        result, _ = run
+        result, _ = self.assert_trains_as_at_its_sizes(
+            "window_bn", ([8, 64], ["bn", "window"])
+        )
         self.assertEqual(result["partial_additions"], [0, 0])
         self.assertEqual(result["iterations"], 1)
-        reference = memory_worker.train(
-            _sizes(result), [8, 64], ["bn", "window"]
-        )
-        self.assert_same_training(run, reference)
-        np.testing.assert_allclose(
-            result["noise_scale"], reference[0]["noise_scale"], rtol=1e-5
-        )
 
     def test_mixed_float16(self):
         # The loss scale moves once per batch, not once per attempt: its
         # run equals one without a limit.
-        run = self.results["mixed_bn"]
-        result, _ = run
-        self.assertNotEmpty(result["warnings"])
-        reference = memory_worker.train(_sizes(result), [48], ["bn", "mixed"])
-        self.assert_same_training(run, reference, atol=1e-3)
-        np.testing.assert_allclose(
-            result["noise_scale"], reference[0]["noise_scale"], rtol=1e-3
+        result, _ = self.assert_trains_as_at_its_sizes(
+            "mixed_bn", ([48], ["bn", "mixed"]), tolerance=1e-3
         )
+        self.assertNotEmpty(result["warnings"])
 
     def test_mirrored_strategy_on_two_devices(self):
         # Each replica halves its own shard's slices and keeps its own
-        # window state; the reference ran after it, at its sizes.
-        run = self.results["mirrored_bn"]
-        result, _ = run
+        # window state; the reference ran after it, in its process, at its
+        # sizes: without an out-of-memory error.
+        result, reference = self.assert_trains_as_at_its_sizes(
+            "mirrored_bn", "mirrored_bn_reference"
+        )
         self.assertNotEmpty(result["warnings"])
         self.assertEqual(result["iterations"], 2)
-        reference = self.results["mirrored_bn_reference"]
-        self.assertEqual(reference[0]["warnings"], [])
-        self.assert_same_training(run, reference)
-        np.testing.assert_allclose(
-            result["noise_scale"], reference[0]["noise_scale"], rtol=1e-5
-        )
+        self.assertEqual(reference["warnings"], [])
+        self.assertEqual(reference["sizes"], result["sizes"])
 
     def test_validation_splits_too(self):
         # Validation at the whole batch does not fit: it halves for
