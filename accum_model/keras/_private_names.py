@@ -43,10 +43,6 @@ PRIVATE_NAMES = {
         # Optimizers.
         "_learning_rate": "where optimizers of both generations keep what "
         "`learning_rate=` received (a schedule), read with a default",
-        "_built": "whether a tf_keras optimizer or loss container is built "
-        "(set by `build`, absent before); read with a default",
-        "_loss_scale": "tf_keras' `_DynamicLossScaleState` holding a "
-        "`LossScaleOptimizer`'s scale variable",
         # Distribution.
         "_in_multi_worker_mode": "how Keras itself tells a multi-worker "
         "collective strategy, where its 3.15 `fit` needs two workarounds",
@@ -68,11 +64,6 @@ PRIVATE_NAMES = {
         "_compile_loss": _KERAS_3_LOSS,
         "_flat_losses": _KERAS_3_LOSS,
         "_y_pred_build_structure": _KERAS_3_LOSS,
-        "_losses": _TF_KERAS_LOSS,
-        "_built": "whether a tf_keras optimizer or loss container is built "
-        "(set by `build`, absent before); read with a default",
-        "_loss_scale": "tf_keras' `_DynamicLossScaleState` holding a "
-        "`LossScaleOptimizer`'s scale variable",
         "keras.src.backend.tensorflow": "Keras 3's `reduce_per_replica`, "
         "how its `fit` reduces a step's per-replica logs, for "
         "`step_on_data`",
@@ -82,11 +73,6 @@ PRIVATE_NAMES = {
     },
     "_tf_keras.py": {
         # Imports (the private modules' functions and classes).
-        "keras.src.models": "Keras 3's `Functional` and its constructor "
-        "checks, `inject_functional_model_class`, and `clone_model`'s module: "
-        "building functional `AccumModel`s without Keras' class rewrite",
-        "keras.src.saving": "Keras 3's `KerasSaveable` (how the window state "
-        "travels in saved files) and the registry of serializable names",
         "tf_keras.src.engine": "tf_keras' `Functional`, its constructor "
         "checks and config, and `inject_functional_model_class`",
         "tf_keras.src.saving": "tf_keras' registry of serializable names",
