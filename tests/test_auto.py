@@ -46,9 +46,16 @@ _PROCESSES = {
             # The whole batch of 48 steps does not fit, nor 128 rows of 96
             # steps later.
             "auto": "auto:48,96",
+            "accum_steps": "accum:96",
+        },
+    ),
+    # Apart from "single": each out-of-memory error waits on the allocator,
+    # and runs in one process wait one after another.
+    "int": (
+        1,
+        {
             "int": "200:96",
             "int_evaluate": "200:96:evaluate",
-            "accum_steps": "accum:96",
         },
     ),
     "window_partial": (
