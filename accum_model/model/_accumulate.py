@@ -293,7 +293,7 @@ def _accumulating_clone(model, clone):
         clone.epoch_end = model.epoch_end
         clone.noise_scale = model.noise_scale
         clone.adascale = model.adascale
-        clone.micro_batch_size = _micro_batch_setting(model)
+        clone.micro_batch_size = _settings.micro_batch_setting(model)
         return clone
     if not isinstance(clone, base):
         warnings.warn(
@@ -312,15 +312,10 @@ def _accumulating_clone(model, clone):
         epoch_end=model.epoch_end,
         noise_scale=model.noise_scale,
         adascale=model.adascale,
-        micro_batch_size=_micro_batch_setting(model),
+        micro_batch_size=_settings.micro_batch_setting(model),
     )
 
 
 # `clone_model` has no way for a model to pass its settings on (see
 # `_clone_hook`, the one patch of Keras).
 _clone_hook.install(ADAPTER.cloning_module, _accumulating_clone)
-
-
-def _micro_batch_setting(model):
-    """`model`'s `micro_batch_size` setting (`"auto"`, not what it chose)."""
-    return model.get_accumulation_config().get("micro_batch_size")

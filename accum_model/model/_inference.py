@@ -24,6 +24,7 @@ import tensorflow as tf
 from accum_model.keras import _adapter
 from accum_model.model import _auto
 from accum_model.model import _normalizers
+from accum_model.model import _settings
 from accum_model.model import _split
 
 ADAPTER = _adapter.ADAPTER
@@ -35,15 +36,11 @@ class SlicedInference:
     A base of `AccumModel`, before `keras.Model`: with an int
     `micro_batch_size` its steps run a batch in slices; with `"auto"` its
     functions are `_auto`'s, which take the size training chose and halve
-    it on an out-of-memory error; with None, as Keras. Reads the model's
-    public settings only.
+    it on an out-of-memory error; with None, as Keras.
     """
 
-    def _micro_batch_setting(self):
-        return self.get_accumulation_config().get("micro_batch_size")
-
     def test_step(self, data):
-        size = self._micro_batch_setting()
+        size = _settings.micro_batch_setting(self)
         if not isinstance(size, int):
             # None, or "auto", whose test function passes its size.
             return super().test_step(data)
@@ -57,7 +54,7 @@ class SlicedInference:
         return ADAPTER.logs_for_replica_reduction(self, logs)
 
     def predict_step(self, data):
-        size = self._micro_batch_setting()
+        size = _settings.micro_batch_setting(self)
         if not isinstance(size, int):
             return super().predict_step(data)
         return self._split_predict_step(data, size)
@@ -71,7 +68,7 @@ class SlicedInference:
     def make_test_function(self, force=False):
         rebuilt = force or self.test_function is None
         function = super().make_test_function(force=force)
-        if rebuilt and self._micro_batch_setting() == "auto":
+        if rebuilt and _settings.micro_batch_setting(self) == "auto":
             self.test_function = function = _auto.AutoInferenceFunction(
                 self, self._split_test_step, "test"
             )
@@ -80,7 +77,7 @@ class SlicedInference:
     def make_predict_function(self, force=False):
         rebuilt = force or self.predict_function is None
         function = super().make_predict_function(force=force)
-        if rebuilt and self._micro_batch_setting() == "auto":
+        if rebuilt and _settings.micro_batch_setting(self) == "auto":
             self.predict_function = function = _auto.AutoInferenceFunction(
                 self, self._split_predict_step, "predict"
             )

@@ -23,6 +23,7 @@ from accum_model.keras import _adapter
 from accum_model.keras._optimizers import build_optimizer
 from accum_model.model import _epoch_end
 from accum_model.model import _normalizers
+from accum_model.model import _settings
 from accum_model.model import _split
 
 ADAPTER = _adapter.ADAPTER
@@ -340,7 +341,7 @@ class ModelEngine(ADAPTER.saveable_base):
             discarded = int(self.accumulator.discarded_windows)
             if discarded:
                 logs["discarded_windows"] = discarded
-        setting = model.get_accumulation_config().get("micro_batch_size")
+        setting = _settings.micro_batch_setting(model)
         if setting == "auto" and isinstance(model.micro_batch_size, int):
             logs["micro_batch_size"] = model.micro_batch_size
         return logs

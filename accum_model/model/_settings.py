@@ -334,6 +334,13 @@ class MicroBatch:
         self.chosen = size
 
 
+def micro_batch_setting(model):
+    """An `AccumModel`'s `micro_batch_size` setting: `"auto"`, an int or
+    None, not the size `"auto"` chose (what configs, clones and the choice
+    of train, test and predict functions read)."""
+    return model._micro_batch.setting
+
+
 def configure(model, **changes):
     """Applies `accumulate`'s arguments to an `AccumModel`, in place.
 
